@@ -1,0 +1,263 @@
+"""The Bus protocol every stage talks to, and the vocabulary shared by its implementations.
+
+Two families of subjects exist. *Durable* ones (``dora.subjects.DURABLE_FAMILIES``) live in
+JetStream streams: publishing waits for the server to store the message (and blocks while the
+stream is full, which is how a slow consumer slows its producer), and they are read through
+durable pull consumers with explicit acks. *Live* ones (status, control, rpc) are plain
+core-NATS subjects: cheap, not stored, for data that is re-sent anyway.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from dora.events import BlobRef, Event
+from dora.subjects import DURABLE_FAMILIES, Subjects
+
+Retention = Literal["work", "interest", "limits"]
+
+
+class BusError(Exception):
+    """Base of every bus failure."""
+
+
+class RequestError(BusError):
+    """A request-reply call got no reply."""
+
+
+class RequestTimeout(RequestError):
+    """Nobody answered within the timeout."""
+
+
+class NoResponders(RequestError):
+    """No service listens on that subject."""
+
+
+class PublishTimeout(BusError):
+    """The stream stayed full (or the server silent) for longer than the publish timeout."""
+
+
+class BlobNotFound(BusError):
+    """No blob of that name in the object store."""
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """One durable stream: a subject family and how long its messages are kept.
+
+    ``work``: a message is removed once acked (one consumer per subject, e.g. request queues);
+    ``interest``: removed once every consumer has acked it (fan-out, e.g. trajectories);
+    ``limits``: kept until the limits push it out (audit streams: weights, dead letters).
+    Work and interest streams refuse new messages when full, so producers wait.
+    """
+
+    family: str
+    retention: Retention
+    max_msgs: int = 100_000
+    max_bytes: int = -1
+    duplicate_window_s: float = 120.0
+
+    @property
+    def blocks_when_full(self) -> bool:
+        return self.retention != "limits"
+
+
+def default_streams(max_msgs: int = 100_000) -> tuple[StreamSpec, ...]:
+    """The streams of one run, with ``max_msgs`` as the backpressure bound of work queues."""
+    retention: dict[str, Retention] = {
+        "prompts": "work",
+        "requests": "work",
+        "trajectories": "interest",
+        "scored": "interest",
+    }
+    return tuple(
+        StreamSpec(family, retention.get(family, "limits"), max_msgs=max_msgs)
+        for family in DURABLE_FAMILIES
+    )
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    """A durable pull consumer; ``max_ack_pending`` bounds how much it holds unacked."""
+
+    durable: str
+    filter_subject: str
+    max_ack_pending: int = 256
+    max_deliver: int = 5
+    ack_wait_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class ConsumerState:
+    """Counts of a consumer: not yet delivered, delivered but unacked, redelivered."""
+
+    pending: int
+    ack_pending: int
+    redelivered: int
+
+    @property
+    def depth(self) -> int:
+        """Work not yet done: the queue depth the orchestrator reads."""
+        return self.pending + self.ack_pending
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """Where a durable publish landed; ``duplicate`` when dedupe swallowed it."""
+
+    stream: str
+    seq: int
+    duplicate: bool = False
+
+
+class Message(abc.ABC):
+    """A delivered message. Durable ones must be acked, nak'ed or termed."""
+
+    subject: str
+    data: bytes
+    headers: dict[str, str]
+    num_delivered: int
+    stream_seq: int
+
+    @property
+    def msg_id(self) -> str | None:
+        return self.headers.get("Nats-Msg-Id")
+
+    @abc.abstractmethod
+    async def ack(self) -> None:
+        """Done: never deliver again."""
+
+    @abc.abstractmethod
+    async def nak(self, delay: float | None = None) -> None:
+        """Not done: deliver again (after ``delay`` seconds)."""
+
+    @abc.abstractmethod
+    async def term(self) -> None:
+        """Never deliver again, without success (after dead-lettering it)."""
+
+    @abc.abstractmethod
+    async def in_progress(self) -> None:
+        """Still working: reset the ack timer."""
+
+
+class Consumer(abc.ABC):
+    """A durable pull consumer bound to one stream."""
+
+    spec: ConsumerSpec
+
+    @abc.abstractmethod
+    async def fetch(self, batch: int = 1, timeout: float = 1.0) -> list[Message]:
+        """Up to ``batch`` messages; an empty list when none came within ``timeout``."""
+
+    @abc.abstractmethod
+    async def state(self) -> ConsumerState:
+        """Pending and unacked counts, from the server."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop fetching (the durable consumer itself stays on the server)."""
+
+
+class Subscription(abc.ABC):
+    """A live (core) subscription: an async iterator of messages."""
+
+    @abc.abstractmethod
+    def __aiter__(self) -> AsyncIterator[Message]: ...
+
+    @abc.abstractmethod
+    async def unsubscribe(self) -> None: ...
+
+
+Handler = Callable[[bytes], Awaitable[bytes]]
+
+
+class Bus(abc.ABC):
+    """Transport of one run: durable streams, live subjects, request-reply, blobs, KV."""
+
+    def __init__(self, subjects: Subjects, streams: tuple[StreamSpec, ...] | None = None) -> None:
+        self.subjects = subjects
+        self.streams = streams if streams is not None else default_streams()
+
+    async def __aenter__(self) -> Bus:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def is_durable(self, subject: str) -> bool:
+        return self.subjects.family_of(subject) in {s.family for s in self.streams}
+
+    def stream_spec(self, subject: str) -> StreamSpec:
+        family = self.subjects.family_of(subject)
+        for spec in self.streams:
+            if spec.family == family:
+                return spec
+        raise BusError(f"subject {subject!r} belongs to no durable stream")
+
+    async def publish_event(
+        self, subject: str, event: Event, *, timeout: float | None = None
+    ) -> PublishResult | None:
+        """Publish an event as JSON, deduplicated by its ``event_id``."""
+        return await self.publish(
+            subject, event.model_dump_json().encode(), msg_id=event.event_id, timeout=timeout
+        )
+
+    @abc.abstractmethod
+    async def connect(self) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    @abc.abstractmethod
+    async def publish(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        msg_id: str | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> PublishResult | None:
+        """Durable subjects: store (waiting while the stream is full); live: fire and forget."""
+
+    @abc.abstractmethod
+    async def consumer(self, spec: ConsumerSpec) -> Consumer:
+        """Create (or bind to) a durable pull consumer."""
+
+    @abc.abstractmethod
+    async def delete_consumer(self, subject: str, durable: str) -> None: ...
+
+    @abc.abstractmethod
+    async def subscribe(self, subject: str) -> Subscription:
+        """Live subscription (wildcards ``*`` and ``>`` allowed)."""
+
+    @abc.abstractmethod
+    async def request(self, subject: str, data: bytes, timeout: float = 5.0) -> bytes:
+        """Send and wait for one reply; RequestTimeout / NoResponders otherwise."""
+
+    @abc.abstractmethod
+    async def serve(self, subject: str, handler: Handler) -> Subscription:
+        """Answer requests on ``subject`` with ``handler``."""
+
+    @abc.abstractmethod
+    async def put_blob(self, name: str, data: bytes) -> BlobRef: ...
+
+    @abc.abstractmethod
+    async def get_blob(self, name: str) -> bytes: ...
+
+    @abc.abstractmethod
+    async def delete_blob(self, name: str) -> None: ...
+
+    @abc.abstractmethod
+    async def kv_put(self, key: str, value: bytes) -> int:
+        """Store ``value``; returns the new revision."""
+
+    @abc.abstractmethod
+    async def kv_get(self, key: str) -> bytes | None: ...
+
+    @abc.abstractmethod
+    async def kv_delete(self, key: str) -> None: ...

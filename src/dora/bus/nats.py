@@ -1,0 +1,319 @@
+"""The production bus: NATS JetStream through nats-py.
+
+Durable subjects go to JetStream streams created by ``connect`` (one per subject family);
+blobs go to a JetStream object store (chunked, so far beyond the 1 MB message limit); small
+state goes to a JetStream key-value bucket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+
+import nats
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+from dora.bus.base import (
+    BlobNotFound,
+    Bus,
+    BusError,
+    Consumer,
+    ConsumerSpec,
+    ConsumerState,
+    Handler,
+    Message,
+    NoResponders,
+    PublishResult,
+    PublishTimeout,
+    RequestTimeout,
+    StreamSpec,
+    Subscription,
+)
+from dora.events import BlobRef
+from dora.subjects import Subjects
+
+log = structlog.get_logger(__name__)
+
+_RETENTION = {
+    "work": api.RetentionPolicy.WORK_QUEUE,
+    "interest": api.RetentionPolicy.INTEREST,
+    "limits": api.RetentionPolicy.LIMITS,
+}
+_FULL_CODES = {10077, 10078}  # maximum messages / bytes exceeded (discard=new)
+_BACKOFF_MAX_S = 0.05
+
+
+class _NatsMessage(Message):
+    def __init__(self, msg: Msg, durable: bool) -> None:
+        self._msg = msg
+        self._durable = durable
+        self.subject = msg.subject
+        self.data = msg.data
+        self.headers = dict(msg.headers or {})
+        if durable:
+            meta = msg.metadata
+            self.num_delivered = meta.num_delivered
+            self.stream_seq = meta.sequence.stream
+        else:
+            self.num_delivered = 1
+            self.stream_seq = 0
+
+    async def ack(self) -> None:
+        if self._durable:
+            await self._msg.ack_sync()
+
+    async def nak(self, delay: float | None = None) -> None:
+        if self._durable:
+            await self._msg.nak(delay=delay)
+
+    async def term(self) -> None:
+        if self._durable:
+            await self._msg.term()
+
+    async def in_progress(self) -> None:
+        if self._durable:
+            await self._msg.in_progress()
+
+
+class _NatsConsumer(Consumer):
+    def __init__(self, spec: ConsumerSpec, sub: JetStreamContext.PullSubscription) -> None:
+        self.spec = spec
+        self._sub = sub
+
+    async def fetch(self, batch: int = 1, timeout: float = 1.0) -> list[Message]:
+        try:
+            msgs = await self._sub.fetch(batch, timeout=max(timeout, 0.01))
+        except nats.errors.TimeoutError:
+            return []
+        return [_NatsMessage(m, durable=True) for m in msgs]
+
+    async def state(self) -> ConsumerState:
+        info = await self._sub.consumer_info()
+        return ConsumerState(
+            pending=info.num_pending or 0,
+            ack_pending=info.num_ack_pending or 0,
+            redelivered=info.num_redelivered or 0,
+        )
+
+    async def close(self) -> None:
+        await self._sub.unsubscribe()
+
+
+class _NatsSubscription(Subscription):
+    def __init__(self, sub: nats.aio.subscription.Subscription) -> None:
+        self._sub = sub
+
+    def __aiter__(self) -> AsyncIterator[Message]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Message]:
+        async for msg in self._sub.messages:
+            yield _NatsMessage(msg, durable=False)
+
+    async def unsubscribe(self) -> None:
+        try:
+            await self._sub.unsubscribe()
+        except nats.errors.BadSubscriptionError:
+            pass
+
+
+class NatsBus(Bus):
+    """JetStream-backed bus; ``url`` of a running nats-server with JetStream enabled."""
+
+    def __init__(
+        self, subjects: Subjects, url: str, streams: tuple[StreamSpec, ...] | None = None
+    ) -> None:
+        super().__init__(subjects, streams)
+        self.url = url
+        self._nc: Client | None = None
+        self._js: JetStreamContext | None = None
+        self._objects: ObjectStore | None = None
+        self._kv: KeyValue | None = None
+        self._stream_names = {s.family: subjects.stream(s.family) for s in self.streams}
+
+    @property
+    def nc(self) -> Client:
+        if self._nc is None:
+            raise BusError("bus is not connected")
+        return self._nc
+
+    @property
+    def js(self) -> JetStreamContext:
+        if self._js is None:
+            raise BusError("bus is not connected")
+        return self._js
+
+    async def connect(self) -> None:
+        self._nc = await nats.connect(
+            servers=[self.url], max_reconnect_attempts=-1, reconnect_time_wait=0.2, name="dora"
+        )
+        self._js = self._nc.jetstream(timeout=10.0)
+        for spec in self.streams:
+            await self._ensure_stream(spec)
+
+    async def _ensure_stream(self, spec: StreamSpec) -> None:
+        family = f"{self.subjects.root}.{spec.family}"
+        config = api.StreamConfig(
+            name=self._stream_names[spec.family],
+            subjects=[family, f"{family}.>"],
+            retention=_RETENTION[spec.retention],
+            max_msgs=spec.max_msgs,
+            max_bytes=spec.max_bytes,
+            discard=api.DiscardPolicy.NEW if spec.blocks_when_full else api.DiscardPolicy.OLD,
+            storage=api.StorageType.FILE,
+            duplicate_window=spec.duplicate_window_s,
+        )
+        try:
+            await self.js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            await self.js.update_stream(config)
+
+    async def close(self) -> None:
+        if self._nc is not None and not self._nc.is_closed:
+            await self._nc.drain()
+        self._nc = self._js = None
+        self._objects = self._kv = None
+
+    async def publish(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        msg_id: str | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> PublishResult | None:
+        if not self.is_durable(subject):
+            await self.nc.publish(subject, data, headers=headers)
+            return None
+        hdrs = dict(headers or {})
+        if msg_id is not None:
+            hdrs["Nats-Msg-Id"] = msg_id
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        delay = 0.001
+        while True:
+            try:
+                ack = await self.js.publish(subject, data, headers=hdrs or None)
+                return PublishResult(ack.stream, ack.seq, duplicate=bool(ack.duplicate))
+            except nats.js.errors.APIError as exc:
+                if exc.err_code not in _FULL_CODES:
+                    raise
+            except nats.errors.TimeoutError:
+                if msg_id is None:
+                    raise
+                # safe to retry: the server deduplicates by msg id
+            if deadline is not None and loop.time() >= deadline:
+                raise PublishTimeout(f"{subject}: stream stayed full for {timeout}s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _BACKOFF_MAX_S)
+
+    async def consumer(self, spec: ConsumerSpec) -> Consumer:
+        stream = self._stream_names[self.subjects.family_of(spec.filter_subject)]
+        config = api.ConsumerConfig(
+            durable_name=spec.durable,
+            filter_subject=spec.filter_subject,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=spec.ack_wait_s,
+            max_deliver=spec.max_deliver,
+            max_ack_pending=spec.max_ack_pending,
+            max_waiting=512,
+        )
+        sub = await self.js.pull_subscribe(
+            spec.filter_subject, durable=spec.durable, stream=stream, config=config
+        )
+        return _NatsConsumer(spec, sub)
+
+    async def delete_consumer(self, subject: str, durable: str) -> None:
+        stream = self._stream_names[self.subjects.family_of(subject)]
+        try:
+            await self.js.delete_consumer(stream, durable)
+        except nats.js.errors.NotFoundError:
+            pass
+
+    async def subscribe(self, subject: str) -> Subscription:
+        return _NatsSubscription(await self.nc.subscribe(subject, pending_msgs_limit=65_536))
+
+    async def request(self, subject: str, data: bytes, timeout: float = 5.0) -> bytes:
+        try:
+            msg = await self.nc.request(subject, data, timeout=timeout)
+        except nats.errors.NoRespondersError as exc:
+            raise NoResponders(f"no service answers {subject!r}") from exc
+        except nats.errors.TimeoutError as exc:
+            raise RequestTimeout(f"no reply on {subject!r} within {timeout}s") from exc
+        return msg.data
+
+    async def serve(self, subject: str, handler: Handler) -> Subscription:
+        async def respond(msg: Msg) -> None:
+            try:
+                reply = await handler(msg.data)
+            except Exception:
+                log.exception("rpc handler failed", subject=subject)
+                return
+            await msg.respond(reply)
+
+        sub = await self.nc.subscribe(subject, queue="dora-rpc", cb=respond)
+        return _NatsSubscription(sub)
+
+    async def _object_store(self) -> ObjectStore:
+        if self._objects is None:
+            bucket = self.subjects.blob_bucket
+            try:
+                self._objects = await self.js.object_store(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                self._objects = await self.js.create_object_store(bucket)
+        return self._objects
+
+    async def put_blob(self, name: str, data: bytes) -> BlobRef:
+        store = await self._object_store()
+        await store.put(name, data)
+        digest = hashlib.sha256(data).hexdigest()
+        return BlobRef(bucket=self.subjects.blob_bucket, name=name, size=len(data), sha256=digest)
+
+    async def get_blob(self, name: str) -> bytes:
+        store = await self._object_store()
+        try:
+            result = await store.get(name)
+        except nats.js.errors.ObjectNotFoundError as exc:
+            raise BlobNotFound(name) from exc
+        return result.data or b""
+
+    async def delete_blob(self, name: str) -> None:
+        store = await self._object_store()
+        try:
+            await store.delete(name)
+        except nats.js.errors.ObjectNotFoundError:
+            pass
+
+    async def _kv_bucket(self) -> KeyValue:
+        if self._kv is None:
+            bucket = self.subjects.kv_bucket
+            try:
+                self._kv = await self.js.key_value(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                self._kv = await self.js.create_key_value(bucket=bucket)
+        return self._kv
+
+    async def kv_put(self, key: str, value: bytes) -> int:
+        return await (await self._kv_bucket()).put(key, value)
+
+    async def kv_get(self, key: str) -> bytes | None:
+        try:
+            entry = await (await self._kv_bucket()).get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return entry.value
+
+    async def kv_delete(self, key: str) -> None:
+        try:
+            await (await self._kv_bucket()).delete(key)
+        except nats.js.errors.KeyNotFoundError:
+            pass

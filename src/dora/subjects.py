@@ -1,0 +1,114 @@
+"""Subject names: the one place that spells them.
+
+Every subject is prefixed by the run id, so several runs can share one NATS server. Durable
+streams (JetStream) are named after the subject family they capture.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _check_token(value: str, what: str) -> str:
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} must match [A-Za-z0-9_-]+ (it becomes a NATS token)")
+    return value
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """Subject and stream names of one run."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        _check_token(self.run, "run id")
+
+    @property
+    def root(self) -> str:
+        return f"dora.{self.run}"
+
+    # durable data
+    @property
+    def prompts(self) -> str:
+        return f"{self.root}.prompts"
+
+    def requests(self, version: int) -> str:
+        return f"{self.root}.requests.v{int(version)}"
+
+    @property
+    def requests_all(self) -> str:
+        return f"{self.root}.requests.*"
+
+    @property
+    def trajectories(self) -> str:
+        return f"{self.root}.trajectories"
+
+    @property
+    def scored(self) -> str:
+        return f"{self.root}.scored"
+
+    @property
+    def weights(self) -> str:
+        return f"{self.root}.weights"
+
+    @property
+    def deadletter(self) -> str:
+        return f"{self.root}.deadletter"
+
+    @property
+    def migrations(self) -> str:
+        return f"{self.root}.migrations"
+
+    @property
+    def metrics(self) -> str:
+        return f"{self.root}.metrics"
+
+    # live control plane (core NATS, not persisted)
+    def status(self, engine: str) -> str:
+        return f"{self.root}.status.{_check_token(engine, 'engine id')}"
+
+    @property
+    def status_all(self) -> str:
+        return f"{self.root}.status.*"
+
+    def control(self, engine: str) -> str:
+        return f"{self.root}.control.{_check_token(engine, 'engine id')}"
+
+    def rpc(self, name: str) -> str:
+        return f"{self.root}.rpc.{_check_token(name, 'rpc name')}"
+
+    # JetStream names (streams, buckets) may not contain dots
+    def stream(self, family: str) -> str:
+        return f"DORA_{self.run}_{_check_token(family, 'stream family')}".upper().replace("-", "_")
+
+    @property
+    def blob_bucket(self) -> str:
+        return f"dora_{self.run}_blobs".replace("-", "_")
+
+    @property
+    def kv_bucket(self) -> str:
+        return f"dora_{self.run}_state".replace("-", "_")
+
+    def family_of(self, subject: str) -> str:
+        """The stream family a subject belongs to (``requests`` for ``requests.v3``)."""
+        prefix = self.root + "."
+        if not subject.startswith(prefix):
+            raise ValueError(f"subject {subject!r} is not under {prefix}")
+        return subject[len(prefix) :].split(".", 1)[0]
+
+
+DURABLE_FAMILIES = (
+    "prompts",
+    "requests",
+    "trajectories",
+    "scored",
+    "weights",
+    "deadletter",
+    "migrations",
+    "metrics",
+)
+"""Families that JetStream persists; the rest (status, control, rpc) are live core subjects."""

@@ -1,0 +1,214 @@
+"""One contract, two transports: every test runs on MemoryBus and on a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from dora.bus import (
+    BlobNotFound,
+    Bus,
+    ConsumerSpec,
+    NoResponders,
+    PublishTimeout,
+    RequestTimeout,
+    StreamSpec,
+)
+from dora.bus.base import default_streams
+from tests.conftest import BusFactory
+
+
+def small_streams(max_msgs: int) -> tuple[StreamSpec, ...]:
+    return default_streams(max_msgs=max_msgs)
+
+
+async def test_ordering_per_subject(bus: Bus) -> None:
+    subject = bus.subjects.requests(0)
+    consumer = await bus.consumer(ConsumerSpec("gen-v0", subject))
+    for i in range(50):
+        await bus.publish(subject, str(i).encode(), msg_id=f"m{i}")
+    got: list[int] = []
+    while len(got) < 50:
+        for msg in await consumer.fetch(batch=7, timeout=2.0):
+            got.append(int(msg.data))
+            await msg.ack()
+    assert got == list(range(50))
+
+
+async def test_durable_consumer_resumes_after_reconnect(make_bus: BusFactory) -> None:
+    first = make_bus()
+    await first.connect()
+    subject = first.subjects.trajectories
+    consumer = await first.consumer(ConsumerSpec("learner", subject))
+    for i in range(10):
+        await first.publish(subject, str(i).encode(), msg_id=f"x{i}")
+    for msg in await consumer.fetch(batch=4, timeout=2.0):
+        await msg.ack()
+    await first.close()
+
+    second = make_bus()
+    await second.connect()
+    resumed = await second.consumer(ConsumerSpec("learner", subject))
+    got: list[int] = []
+    while len(got) < 6:
+        for msg in await resumed.fetch(batch=10, timeout=2.0):
+            got.append(int(msg.data))
+            await msg.ack()
+    assert got == [4, 5, 6, 7, 8, 9]
+    assert await resumed.fetch(batch=1, timeout=0.2) == []
+    await second.close()
+
+
+async def test_redelivery_after_crash_before_ack(make_bus: BusFactory) -> None:
+    crashed = make_bus()
+    await crashed.connect()
+    subject = crashed.subjects.scored
+    spec = ConsumerSpec("learner", subject, ack_wait_s=0.5)
+    consumer = await crashed.consumer(spec)
+    await crashed.publish(subject, b"payload", msg_id="only")
+    (msg,) = await consumer.fetch(timeout=2.0)
+    assert msg.num_delivered == 1
+    await crashed.close()  # dies without acking
+
+    survivor = make_bus()
+    await survivor.connect()
+    again = await (await survivor.consumer(spec)).fetch(timeout=5.0)
+    assert [m.data for m in again] == [b"payload"]
+    assert again[0].num_delivered == 2
+    await again[0].ack()
+    await survivor.close()
+
+
+async def test_nak_redelivers_and_max_deliver_stops(bus: Bus) -> None:
+    subject = bus.subjects.requests(1)
+    consumer = await bus.consumer(ConsumerSpec("gen-v1", subject, max_deliver=3))
+    await bus.publish(subject, b"poison", msg_id="p")
+    deliveries = []
+    for _ in range(3):
+        (msg,) = await consumer.fetch(timeout=2.0)
+        deliveries.append(msg.num_delivered)
+        await msg.nak()
+    assert deliveries == [1, 2, 3]
+    assert await consumer.fetch(timeout=0.5) == []
+
+
+async def test_dedupe_by_event_id(bus: Bus) -> None:
+    subject = bus.subjects.prompts
+    consumer = await bus.consumer(ConsumerSpec("dispatcher", subject))
+    first = await bus.publish(subject, b"a", msg_id="same")
+    second = await bus.publish(subject, b"a", msg_id="same")
+    assert first is not None and second is not None
+    assert not first.duplicate and second.duplicate
+    msgs = await consumer.fetch(batch=10, timeout=1.0)
+    assert [m.data for m in msgs] == [b"a"]
+
+
+async def test_max_ack_pending_bounds_deliveries(bus: Bus) -> None:
+    subject = bus.subjects.requests(2)
+    consumer = await bus.consumer(ConsumerSpec("gen-v2", subject, max_ack_pending=3))
+    for i in range(10):
+        await bus.publish(subject, str(i).encode(), msg_id=f"q{i}")
+    held = await consumer.fetch(batch=10, timeout=1.0)
+    assert len(held) == 3
+    assert await consumer.fetch(batch=10, timeout=0.3) == []
+    state = await consumer.state()
+    assert (state.pending, state.ack_pending, state.depth) == (7, 3, 10)
+    await held[0].ack()
+    more = await consumer.fetch(batch=10, timeout=1.0)
+    assert [m.data for m in more] == [b"3"]
+
+
+async def test_backpressure_blocks_producer_and_bounds_memory(make_bus: BusFactory) -> None:
+    bus = make_bus(streams=small_streams(max_msgs=5))
+    await bus.connect()
+    subject = bus.subjects.requests(0)
+    consumer = await bus.consumer(ConsumerSpec("gen-v0", subject))
+    for i in range(5):
+        await bus.publish(subject, str(i).encode(), msg_id=f"b{i}")
+    with pytest.raises(PublishTimeout):
+        await bus.publish(subject, b"5", msg_id="b5", timeout=0.3)
+
+    blocked = asyncio.create_task(bus.publish(subject, b"5", msg_id="b5"))
+    await asyncio.sleep(0)  # let it try
+    assert not blocked.done()
+    (msg,) = await consumer.fetch(timeout=1.0)
+    await msg.ack()
+    await asyncio.wait_for(blocked, timeout=5.0)
+    got = [msg.data]
+    while len(got) < 6:
+        for m in await consumer.fetch(batch=10, timeout=1.0):
+            got.append(m.data)
+            await m.ack()
+    assert got == [str(i).encode() for i in range(6)]
+    await bus.close()
+
+
+async def test_interest_stream_fans_out_to_every_consumer(bus: Bus) -> None:
+    subject = bus.subjects.trajectories
+    learner = await bus.consumer(ConsumerSpec("learner", subject))
+    audit = await bus.consumer(ConsumerSpec("audit", subject))
+    await bus.publish(subject, b"t", msg_id="t1")
+    for consumer in (learner, audit):
+        (msg,) = await consumer.fetch(timeout=1.0)
+        assert msg.data == b"t"
+        await msg.ack()
+
+
+async def test_object_store_round_trip_50mb(bus: Bus) -> None:
+    data = os.urandom(50 * 1024 * 1024)
+    ref = await bus.put_blob("weights-v1", data)
+    assert ref.size == len(data)
+    assert await bus.get_blob("weights-v1") == data
+    await bus.delete_blob("weights-v1")
+    with pytest.raises(BlobNotFound):
+        await bus.get_blob("weights-v1")
+
+
+async def test_request_reply_and_timeout(bus: Bus) -> None:
+    subject = bus.subjects.rpc("echo")
+
+    async def echo(data: bytes) -> bytes:
+        return data.upper()
+
+    await bus.serve(subject, echo)
+    assert await bus.request(subject, b"hi", timeout=2.0) == b"HI"
+
+    slow_subject = bus.subjects.rpc("slow")
+    never = asyncio.Event()
+
+    async def slow(data: bytes) -> bytes:
+        await never.wait()
+        return data
+
+    await bus.serve(slow_subject, slow)
+    with pytest.raises(RequestTimeout):
+        await bus.request(slow_subject, b"x", timeout=0.3)
+    with pytest.raises(NoResponders):
+        await bus.request(bus.subjects.rpc("nobody"), b"x", timeout=0.5)
+    never.set()
+
+
+async def test_key_value_round_trip(bus: Bus) -> None:
+    assert await bus.kv_get("orchestrator") is None
+    first = await bus.kv_put("orchestrator", b"v1")
+    second = await bus.kv_put("orchestrator", b"v2")
+    assert second > first
+    assert await bus.kv_get("orchestrator") == b"v2"
+    await bus.kv_delete("orchestrator")
+    assert await bus.kv_get("orchestrator") is None
+
+
+async def test_live_subjects_with_wildcards(bus: Bus) -> None:
+    sub = await bus.subscribe(bus.subjects.status_all)
+    await bus.publish(bus.subjects.status("e0"), b"s0")
+    await bus.publish(bus.subjects.control("e0"), b"not-status")
+    await bus.publish(bus.subjects.status("e1"), b"s1")
+    got = []
+    async for msg in sub:
+        got.append((msg.subject, msg.data))
+        if len(got) == 2:
+            break
+    assert got == [(bus.subjects.status("e0"), b"s0"), (bus.subjects.status("e1"), b"s1")]
+    await sub.unsubscribe()
