@@ -125,7 +125,7 @@ def test_forward_is_differentiable() -> None:
 
 
 def test_bad_checkpoints_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="config.json"):
+    with pytest.raises(CheckpointError, match=r"config\.json"):
         load_pretrained(tmp_path)
     model, tok = build_model("tiny", seed=0, num_hidden_layers=1)
     save_pretrained(model, tmp_path, tok)

@@ -8,6 +8,7 @@ a second client on the same broker. It passes the same contract suite as ``NatsB
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import time
@@ -127,10 +128,8 @@ class MemoryBroker:
 
     async def wait(self, timeout: float) -> None:
         async with self.changed:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.changed.wait(), timeout=max(timeout, 0.0))
-            except TimeoutError:
-                pass
 
     def stream_for(self, subject: str) -> _Stream | None:
         for stream in self.streams.values():
@@ -251,7 +250,9 @@ class _MemoryConsumer(Consumer):
             1 for seq, m in stream.messages.items() if seq > rec.delivered_upto and rec.wants(m)
         )
         pending += len(rec.ready)
-        return ConsumerState(pending=pending, ack_pending=len(rec.unacked), redelivered=rec.redelivered)
+        return ConsumerState(
+            pending=pending, ack_pending=len(rec.unacked), redelivered=rec.redelivered
+        )
 
     async def close(self) -> None:
         self._closed = True

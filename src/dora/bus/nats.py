@@ -8,6 +8,7 @@ state goes to a JetStream key-value bucket.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from collections.abc import AsyncIterator
 
@@ -119,10 +120,8 @@ class _NatsSubscription(Subscription):
             yield _NatsMessage(msg, durable=False)
 
     async def unsubscribe(self) -> None:
-        try:
+        with contextlib.suppress(nats.errors.BadSubscriptionError):
             await self._sub.unsubscribe()
-        except nats.errors.BadSubscriptionError:
-            pass
 
 
 class NatsBus(Bus):
@@ -234,10 +233,8 @@ class NatsBus(Bus):
 
     async def delete_consumer(self, subject: str, durable: str) -> None:
         stream = self._stream_names[self.subjects.family_of(subject)]
-        try:
+        with contextlib.suppress(nats.js.errors.NotFoundError):
             await self.js.delete_consumer(stream, durable)
-        except nats.js.errors.NotFoundError:
-            pass
 
     async def subscribe(self, subject: str) -> Subscription:
         return _NatsSubscription(await self.nc.subscribe(subject, pending_msgs_limit=65_536))
@@ -288,10 +285,8 @@ class NatsBus(Bus):
 
     async def delete_blob(self, name: str) -> None:
         store = await self._object_store()
-        try:
+        with contextlib.suppress(nats.js.errors.ObjectNotFoundError):
             await store.delete(name)
-        except nats.js.errors.ObjectNotFoundError:
-            pass
 
     async def _kv_bucket(self) -> KeyValue:
         if self._kv is None:
@@ -313,7 +308,5 @@ class NatsBus(Bus):
         return entry.value
 
     async def kv_delete(self, key: str) -> None:
-        try:
+        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
             await (await self._kv_bucket()).delete(key)
-        except nats.js.errors.KeyNotFoundError:
-            pass
