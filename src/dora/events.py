@@ -335,6 +335,29 @@ class Metrics(Event):
     values: dict[str, float]
 
 
+class VersionCounts(Model):
+    """Per-version accounting of GRPO groups (a group = all samples of one prompt)."""
+
+    version: int = Field(ge=0)
+    dispatched: int = Field(default=0, ge=0, description="Groups tagged with this version.")
+    finished: int = Field(default=0, ge=0, description="Groups whose every sample is scored.")
+    consumed: int = Field(default=0, ge=0, description="Groups the learner trained on.")
+
+
+class Ledger(Event):
+    """The dispatcher's staleness ledger (kept in the KV store under ``ledger``).
+
+    The learner reads it to know which old groups are still unfinished, so it waits for an
+    urgent group instead of stepping past its staleness deadline.
+    """
+
+    kind: ClassVar[str] = "ledger"
+    learner_step: int = Field(ge=0, description="Learner steps taken when this was written.")
+    staleness_bound: int = Field(ge=0, description="K: a group of version u trains at step <= u+K.")
+    batch_groups: int = Field(ge=1, description="B: groups per learner step.")
+    versions: tuple[VersionCounts, ...] = ()
+
+
 WIRE_TYPES: tuple[type[Event], ...] = (
     Prompt,
     RolloutRequest,
@@ -350,6 +373,7 @@ WIRE_TYPES: tuple[type[Event], ...] = (
     MigrationRecord,
     DeadLetter,
     Metrics,
+    Ledger,
 )
 
 
