@@ -272,9 +272,71 @@ class Prioritize(Event):
     priority: int = 10
 
 
+class ExportRequest(Event):
+    """Migrator -> source engine: stop decoding a request and store its snapshot as a blob."""
+
+    kind: ClassVar[str] = "export"
+    command: Literal["export"] = "export"
+    engine_id: str
+    request_id: str
+    blob_name: str = Field(min_length=1, description="Object-store name to write the snapshot to.")
+
+
+class ImportRequest(Event):
+    """Migrator -> target engine: continue a request from a snapshot blob (no re-prefill)."""
+
+    kind: ClassVar[str] = "import"
+    command: Literal["import"] = "import"
+    engine_id: str
+    request_id: str
+    blob: BlobRef
+    lease: str = Field(
+        default="", description="Ack token of the request's queue message; moves with it."
+    )
+    source: str = Field(default="", description="Engine the snapshot came from.")
+
+
+class ReleaseExported(Event):
+    """Migrator -> source engine: the target confirmed; free the exported request's blocks."""
+
+    kind: ClassVar[str] = "release"
+    command: Literal["release"] = "release"
+    engine_id: str
+    request_id: str
+
+
+class RestoreExported(Event):
+    """Migrator -> source engine: the migration failed; resume the request here, intact."""
+
+    kind: ClassVar[str] = "restore"
+    command: Literal["restore"] = "restore"
+    engine_id: str
+    request_id: str
+
+
 ControlCommand = Annotated[
-    AssignVersion | Drain | Migrate | Prioritize, Field(discriminator="command")
+    AssignVersion
+    | Drain
+    | Migrate
+    | Prioritize
+    | ExportRequest
+    | ImportRequest
+    | ReleaseExported
+    | RestoreExported,
+    Field(discriminator="command"),
 ]
+
+
+class ControlReply(Event):
+    """An engine's or the migrator's answer to a control command (request-reply)."""
+
+    kind: ClassVar[str] = "reply"
+    ok: bool
+    error: str = ""
+    blob: BlobRef | None = Field(default=None, description="Export: where the snapshot went.")
+    lease: str = Field(default="", description="Export: the request's ack token, handed over.")
+    kv_bytes: int = Field(default=0, ge=0)
+    at_token: int = Field(default=0, ge=0, description="Export: completion tokens so far.")
 
 
 class KVSnapshot(Event):
@@ -374,6 +436,11 @@ WIRE_TYPES: tuple[type[Event], ...] = (
     DeadLetter,
     Metrics,
     Ledger,
+    ExportRequest,
+    ImportRequest,
+    ReleaseExported,
+    RestoreExported,
+    ControlReply,
 )
 
 
