@@ -212,3 +212,22 @@ async def test_live_subjects_with_wildcards(bus: Bus) -> None:
             break
     assert got == [(bus.subjects.status("e0"), b"s0"), (bus.subjects.status("e1"), b"s1")]
     await sub.unsubscribe()
+
+
+async def test_lease_settles_a_message_from_another_client(make_bus: BusFactory) -> None:
+    holder = make_bus()
+    await holder.connect()
+    subject = holder.subjects.requests(4)
+    spec = ConsumerSpec("gen-v4", subject, ack_wait_s=0.5)
+    consumer = await holder.consumer(spec)
+    await holder.publish(subject, b"req", msg_id="lease-1")
+    await holder.publish(subject, b"req2", msg_id="lease-2")
+    first, _second = await consumer.fetch(batch=2, timeout=2.0)
+    other = make_bus()
+    await other.connect()
+    await other.lease(first.ack_token).ack()  # the migrated request finished elsewhere
+    await holder.close()  # the original holder dies without settling anything
+    again = await (await other.consumer(spec)).fetch(batch=5, timeout=3.0)
+    assert [m.data for m in again] == [b"req2"]  # only the unsettled one comes back
+    await again[0].ack()
+    await other.close()

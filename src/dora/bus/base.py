@@ -121,6 +121,8 @@ class Message(abc.ABC):
     headers: dict[str, str]
     num_delivered: int
     stream_seq: int
+    ack_token: str = ""
+    """Handle that lets any client of the same server settle this message (``Bus.lease``)."""
 
     @property
     def msg_id(self) -> str | None:
@@ -251,6 +253,14 @@ class Bus(abc.ABC):
 
     @abc.abstractmethod
     async def delete_blob(self, name: str) -> None: ...
+
+    @abc.abstractmethod
+    def lease(self, ack_token: str) -> Message:
+        """A handle to settle a durable message delivered to someone else (by its ack token).
+
+        Lets a request's queue message move with the request when it migrates between engines:
+        whichever engine finishes the request acks it; if that engine dies, it is redelivered.
+        """
 
     @abc.abstractmethod
     async def kv_put(self, key: str, value: bytes) -> int:

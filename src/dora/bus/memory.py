@@ -114,6 +114,7 @@ class MemoryBroker:
         self.blobs: dict[str, bytes] = {}
         self.kv: dict[str, tuple[bytes, int]] = {}
         self.kv_revision = itertools.count(1)
+        self.leases: dict[str, Message] = {}
         self._changed: asyncio.Condition | None = None
 
     @property
@@ -168,6 +169,10 @@ class _DurableMessage(Message):
         self.headers = dict(stored.headers)
         self.stream_seq = stored.seq
         self.num_delivered = rec.deliveries.get(stored.seq, 1)
+        self.ack_token = (
+            f"mem.{rec.stream.name}.{rec.spec.durable}.{stored.seq}.{self.num_delivered}"
+        )
+        broker.leases[self.ack_token] = self
 
     async def ack(self) -> None:
         self._rec.unacked.pop(self.stream_seq, None)
@@ -419,6 +424,12 @@ class MemoryBus(Bus):
 
     async def delete_blob(self, name: str) -> None:
         self.broker.blobs.pop(name, None)
+
+    def lease(self, ack_token: str) -> Message:
+        try:
+            return self.broker.leases[ack_token]
+        except KeyError as exc:
+            raise BusError(f"unknown ack token {ack_token!r}") from exc
 
     async def kv_put(self, key: str, value: bytes) -> int:
         revision = next(self.broker.kv_revision)

@@ -59,6 +59,7 @@ class _NatsMessage(Message):
         self.subject = msg.subject
         self.data = msg.data
         self.headers = dict(msg.headers or {})
+        self.ack_token = msg.reply or ""
         if durable:
             meta = msg.metadata
             self.num_delivered = meta.num_delivered
@@ -82,6 +83,33 @@ class _NatsMessage(Message):
     async def in_progress(self) -> None:
         if self._durable:
             await self._msg.in_progress()
+
+
+class _NatsLease(Message):
+    """A durable message known only by its ack token (the JetStream reply subject)."""
+
+    def __init__(self, nc: Client, token: str) -> None:
+        if not token.startswith("$JS.ACK."):
+            raise BusError(f"not a JetStream ack token: {token!r}")
+        self._nc = nc
+        self.ack_token = token
+        self.subject = ""
+        self.data = b""
+        self.headers = {}
+        self.num_delivered = 0
+        self.stream_seq = 0
+
+    async def ack(self) -> None:
+        await self._nc.request(self.ack_token, b"+ACK", timeout=5.0)
+
+    async def nak(self, delay: float | None = None) -> None:
+        await self._nc.publish(self.ack_token, b"-NAK")
+
+    async def term(self) -> None:
+        await self._nc.publish(self.ack_token, b"+TERM")
+
+    async def in_progress(self) -> None:
+        await self._nc.publish(self.ack_token, b"+WPI")
 
 
 class _NatsConsumer(Consumer):
@@ -287,6 +315,9 @@ class NatsBus(Bus):
         store = await self._object_store()
         with contextlib.suppress(nats.js.errors.ObjectNotFoundError):
             await store.delete(name)
+
+    def lease(self, ack_token: str) -> Message:
+        return _NatsLease(self.nc, ack_token)
 
     async def _kv_bucket(self) -> KeyValue:
         if self._kv is None:

@@ -1,0 +1,394 @@
+"""The generator stage: one engine replica serving one policy version at a time.
+
+It pulls ``RolloutRequest``s from ``requests.v<N>`` of the version it is assigned, only while
+the engine has room (the durable consumer's ``max_ack_pending`` and our own ``max_running``
+are the backpressure), publishes one ``Trajectory`` per finished request, reports
+``EngineStatus`` periodically, and obeys control commands sent by request-reply on
+``control.<engine>`` (assign, drain, prioritize, and the migrator's export / import /
+release / restore).
+
+Delivery guarantees: a request's queue message stays unacked while it is generated, with
+in-progress heartbeats; it is acked only after its trajectory is stored. The message's ack
+token is a *lease* that moves with the request when it migrates, so whichever engine finishes
+it acks it, and a crash anywhere means redelivery under the request's own version. Trajectory
+event ids are derived from request ids, so a regenerated duplicate is deduplicated by the bus.
+
+All engine calls run on one worker thread: the engine is single-threaded and the event loop
+stays free for the bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import structlog
+from pydantic import TypeAdapter, ValidationError
+
+from dora.bus import Bus, ConsumerSpec, Message
+from dora.engines.base import Engine, EngineError
+from dora.events import (
+    AssignVersion,
+    ControlCommand,
+    ControlReply,
+    DeadLetter,
+    Drain,
+    EngineStatus,
+    ExportRequest,
+    ImportRequest,
+    Prioritize,
+    ReleaseExported,
+    RestoreExported,
+    ResumeState,
+    RolloutRequest,
+    Trajectory,
+)
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+WeightSource = Callable[[int], Awaitable[Mapping[str, Any] | Path]]
+"""Returns the weights of a version (state dict or checkpoint dir), verified."""
+
+RolloutMode = Literal["dora", "sync", "one_step_off", "partial"]
+
+_COMMANDS: TypeAdapter[Any] = TypeAdapter(ControlCommand)
+
+
+def trajectory_event_id(request_id: str) -> str:
+    """One id per request: a regenerated duplicate is dropped by the bus's dedupe."""
+    return f"traj-{request_id}"
+
+
+def consumer_name(version: int) -> str:
+    """The durable consumer every engine of one version shares (a work queue)."""
+    return f"gen-v{version}"
+
+
+@dataclass
+class GeneratorConfig:
+    """How one generator pulls work and reports."""
+
+    engine_id: str
+    mode: RolloutMode = "dora"
+    max_running: int = 32
+    fetch_timeout_s: float = 0.5
+    status_interval_s: float = 0.5
+    heartbeat_interval_s: float = 5.0
+    ack_wait_s: float = 30.0
+    max_deliver: int = 10
+    initial_version: int | None = None
+
+
+@dataclass
+class _Held:
+    """A request the engine holds, and the lease on its queue message."""
+
+    lease: Message
+    exported: bool = False
+
+
+@dataclass
+class GeneratorStats:
+    """Counters for tests and reports."""
+
+    pulled: int = 0
+    finished: int = 0
+    exported: int = 0
+    imported: int = 0
+    restored: int = 0
+    resubmitted: int = 0
+    dead_lettered: int = 0
+    weight_loads: list[tuple[int, float]] = field(default_factory=list)
+
+
+class Generator:
+    """Runs an ``Engine`` against the bus; ``await run()`` until ``stop()``."""
+
+    def __init__(
+        self, engine: Engine, bus: Bus, weights: WeightSource, config: GeneratorConfig
+    ) -> None:
+        self.engine = engine
+        self.bus = bus
+        self.weights = weights
+        self.config = config
+        self.subjects = bus.subjects
+        self.assigned: int | None = config.initial_version
+        self.draining = False
+        self.state: str = "idle"
+        self.stats = GeneratorStats()
+        self._held: dict[str, _Held] = {}
+        self._consumers: dict[int, Any] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{config.engine_id}")
+        self._stop = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._log = log.bind(engine=config.engine_id)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        """Serve until stopped; in-flight requests are naked (redelivered) on the way out."""
+        control = await self.bus.serve(self.subjects.control(self.config.engine_id), self._control)
+        tasks = [
+            asyncio.create_task(self._report_status()),
+            asyncio.create_task(self._heartbeat()),
+        ]
+        try:
+            while not self._stop.is_set():
+                await self._maybe_load_weights()
+                await self._pull()
+                if await self._call(self.engine.has_work):
+                    await self._step()
+                else:
+                    await self._idle_wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await control.unsubscribe()
+            await self._release_all()
+            self._pool.shutdown(wait=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _idle_wait(self) -> None:
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout=self.config.fetch_timeout_s)
+
+    async def _release_all(self) -> None:
+        """On stop: hand every held request back to the queue (it is regenerated elsewhere)."""
+        for held in self._held.values():
+            if not held.exported:
+                await held.lease.nak()
+        self._held.clear()
+
+    # ------------------------------------------------------------------ weights
+
+    async def _maybe_load_weights(self) -> None:
+        target = self.assigned
+        if target is None or self.engine.version == target:
+            if target is not None and self.state in ("idle", "loading"):
+                self.state = "draining" if self.draining else "serving"
+            return
+        if await self._call(self.engine.num_requests) > 0:
+            return  # finish the old version's requests first (never mix versions)
+        self.state = "loading"
+        started = time.monotonic()
+        weights = await self.weights(target)
+        await self._call(self.engine.load_weights, target, weights)
+        self.stats.weight_loads.append((target, time.time()))
+        self.state = "draining" if self.draining else "serving"
+        self._log.info("weights_loaded", version=target, seconds=time.monotonic() - started)
+
+    # ------------------------------------------------------------------ pulling
+
+    async def _consumer(self, version: int) -> Any:
+        if version not in self._consumers:
+            spec = ConsumerSpec(
+                consumer_name(version),
+                self.subjects.requests(version),
+                max_ack_pending=100_000,
+                max_deliver=self.config.max_deliver,
+                ack_wait_s=self.config.ack_wait_s,
+            )
+            self._consumers[version] = await self.bus.consumer(spec)
+        return self._consumers[version]
+
+    async def _pull(self) -> None:
+        version = self.assigned
+        if version is None or self.draining or self.engine.version != version:
+            return
+        room = self.config.max_running - len(self._held)
+        if room <= 0:
+            return
+        busy = await self._call(self.engine.has_work)
+        consumer = await self._consumer(version)
+        timeout = 0.01 if busy else self.config.fetch_timeout_s
+        for msg in await consumer.fetch(batch=room, timeout=timeout):
+            await self._admit(msg, version)
+
+    async def _admit(self, msg: Message, version: int) -> None:
+        try:
+            request = RolloutRequest.model_validate_json(msg.data)
+            if request.version != version:
+                raise EngineError(
+                    f"request tagged v{request.version} arrived on the v{version} queue"
+                )
+            await self._call(self.engine.add_request, request)
+        except (ValidationError, EngineError) as exc:
+            await self._dead_letter(msg, f"{type(exc).__name__}: {exc}")
+            return
+        self._held[request.request_id] = _Held(msg)
+        self.stats.pulled += 1
+
+    async def _dead_letter(self, msg: Message, reason: str) -> None:
+        letter = DeadLetter(
+            subject=msg.subject,
+            payload=msg.data.decode("utf-8", errors="replace"),
+            reason=reason,
+            stage=f"generator:{self.config.engine_id}",
+            deliveries=msg.num_delivered,
+        )
+        await self.bus.publish_event(self.subjects.deadletter, letter)
+        await msg.term()
+        self.stats.dead_lettered += 1
+        self._log.warning("request_dead_lettered", reason=reason)
+
+    # ------------------------------------------------------------------ generating
+
+    async def _step(self) -> None:
+        for trajectory in await self._call(self.engine.step):
+            await self._finish(trajectory)
+
+    async def _finish(self, trajectory: Trajectory) -> None:
+        request_id = trajectory.request.request_id
+        event = trajectory.model_copy(update={"event_id": trajectory_event_id(request_id)})
+        await self.bus.publish_event(self.subjects.trajectories, event)
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            await held.lease.ack()
+        self.stats.finished += 1
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            for held in list(self._held.values()):
+                await held.lease.in_progress()
+
+    async def _report_status(self) -> None:
+        while True:
+            await self.bus.publish_event(
+                self.subjects.status(self.config.engine_id), await self.status()
+            )
+            await asyncio.sleep(self.config.status_interval_s)
+
+    async def status(self) -> EngineStatus:
+        """The engine's status with the generator's view (assignment, state) on top."""
+        status = await self._call(self.engine.status)
+        return status.model_copy(
+            update={
+                "engine_id": self.config.engine_id,
+                "assigned_version": self.assigned,
+                "state": self.state,
+                "max_running": self.config.max_running,
+            }
+        )
+
+    # ------------------------------------------------------------------ control
+
+    async def _control(self, data: bytes) -> bytes:
+        try:
+            command = _COMMANDS.validate_json(data)
+            reply = await self._apply(command)
+        except (ValidationError, EngineError, KeyError) as exc:
+            reply = ControlReply(ok=False, error=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a command must never kill the engine loop
+            self._log.exception("control_failed")
+            reply = ControlReply(ok=False, error=f"{type(exc).__name__}: {exc}")
+        self._wake.set()
+        return reply.model_dump_json().encode()
+
+    async def _apply(self, command: Any) -> ControlReply:
+        match command:
+            case AssignVersion(version=version):
+                return await self._assign(version)
+            case Drain():
+                self.draining = True
+                self.state = "draining"
+                return ControlReply(ok=True)
+            case Prioritize(request_ids=ids, priority=priority):
+                for rid in ids:
+                    if rid in self._held:
+                        await self._call(self.engine.set_priority, rid, priority)
+                return ControlReply(ok=True)
+            case ExportRequest():
+                return await self._export(command)
+            case ImportRequest():
+                return await self._import(command)
+            case ReleaseExported(request_id=rid):
+                held = self._held.pop(rid)
+                await self._call(self.engine.release_exported, rid)
+                self.stats.exported += 1
+                del held
+                return ControlReply(ok=True)
+            case RestoreExported(request_id=rid):
+                await self._call(self.engine.restore_exported, rid)
+                self._held[rid].exported = False
+                self.stats.restored += 1
+                return ControlReply(ok=True)
+        return ControlReply(ok=False, error=f"unsupported command {type(command).__name__}")
+
+    async def _assign(self, version: int) -> ControlReply:
+        previous = self.assigned
+        self.assigned = version
+        self.draining = False
+        if self.config.mode == "partial" and previous is not None and previous != version:
+            await self._resubmit_partial(version)
+        self._log.info("assigned", version=version, previous=previous)
+        return ControlReply(ok=True)
+
+    async def _resubmit_partial(self, version: int) -> None:
+        """Partial rollout: abort in-flight work, resubmit it under ``version`` with its tokens.
+
+        The new request re-prefills prompt + generated tokens on whichever engine takes it;
+        per-token versions and re-prefilled counts travel in ``ResumeState``.
+        """
+        for rid, held in list(self._held.items()):
+            part = await self._call(self.engine.abort, rid)
+            old = part.request
+            prior = old.resume or ResumeState()
+            old_version = self.engine.version if self.engine.version is not None else old.version
+            resume = ResumeState(
+                token_ids=part.token_ids,
+                logprobs=part.logprobs,
+                token_versions=(
+                    *prior.token_versions,
+                    *([old_version] * (len(part.token_ids) - len(prior.token_ids))),
+                ),
+                reprefilled_tokens=prior.reprefilled_tokens,
+                engines=part.engines,
+            )
+            new = old.model_copy(
+                update={
+                    "event_id": f"{old.request_id}-v{version}",
+                    "version": version,
+                    "resume": resume,
+                }
+            )
+            await self.bus.publish_event(self.subjects.requests(version), new)
+            await held.lease.ack()
+            del self._held[rid]
+            self.stats.resubmitted += 1
+
+    async def _export(self, command: ExportRequest) -> ControlReply:
+        held = self._held[command.request_id]
+        snapshot = await self._call(self.engine.export_request, command.request_id)
+        held.exported = True
+        try:
+            blob = await self.bus.put_blob(command.blob_name, snapshot)
+        except Exception:
+            await self._call(self.engine.restore_exported, command.request_id)
+            held.exported = False
+            raise
+        return ControlReply(ok=True, blob=blob, lease=held.lease.ack_token, kv_bytes=len(snapshot))
+
+    async def _import(self, command: ImportRequest) -> ControlReply:
+        if self.draining or self.assigned != self.engine.version:
+            raise EngineError(f"engine {self.config.engine_id} is not serving; cannot import")
+        data = await self.bus.get_blob(command.blob.name)
+        request_id = await self._call(self.engine.import_request, data)
+        self._held[request_id] = _Held(self.bus.lease(command.lease))
+        self.stats.imported += 1
+        return ControlReply(ok=True, kv_bytes=len(data))
