@@ -1,0 +1,52 @@
+"""Prompt sources: synthetic tasks with long-tailed lengths and local math datasets.
+
+Stable API::
+
+    make_task(name, **config) -> Task      # "arithmetic", "countdown", "jsonl" (= "dataset")
+    task.prompt(split, index) -> Prompt    # deterministic by (seed, split, index)
+    task.prompts(split, count, start=0) -> Iterator[Prompt]
+    task.solve(prompt) -> str              # a correct reference completion
+
+Configs are pydantic models (``ArithmeticConfig``, ``CountdownConfig``, ``DatasetConfig``);
+a bad field raises ``TaskConfigError`` naming it.
+"""
+
+from dora.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
+from dora.tasks.base import (
+    SPLITS,
+    BaseTask,
+    Split,
+    Task,
+    TaskConfig,
+    TaskConfigError,
+    make_task,
+    register_task,
+    task_names,
+)
+from dora.tasks.countdown import CountdownConfig, CountdownTask
+from dora.tasks.dataset import DatasetConfig, DatasetTask, read_rows, sample_path
+
+register_task("arithmetic", ArithmeticConfig, ArithmeticTask)
+register_task("countdown", CountdownConfig, CountdownTask)
+register_task("jsonl", DatasetConfig, DatasetTask)
+register_task("dataset", DatasetConfig, DatasetTask)
+
+__all__ = [
+    "SPLITS",
+    "ArithmeticConfig",
+    "ArithmeticTask",
+    "BaseTask",
+    "CountdownConfig",
+    "CountdownTask",
+    "DatasetConfig",
+    "DatasetTask",
+    "Split",
+    "Task",
+    "TaskConfig",
+    "TaskConfigError",
+    "make_task",
+    "read_rows",
+    "register_task",
+    "sample_path",
+    "task_names",
+]

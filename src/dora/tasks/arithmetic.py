@@ -1,0 +1,120 @@
+"""Synthetic multi-step addition with a written-out scratchpad and long-tailed lengths.
+
+Each problem sums ``n`` numbers; the reference completion adds them one at a time, one line
+per step, then states ``answer: <sum>``. The number of terms follows a truncated zipf law, so
+most responses are short and a few are very long — the length profile of reasoning RL that
+makes synchronous rollout wait on stragglers. The format is strictly regular so a ~3M
+parameter character model can learn it; per-step errors compound with length, so longer
+problems are harder and the RL signal is dense (some samples right, some wrong).
+
+Example (prompt, then completion)::
+
+    Q: 3+5+9+2
+    A:
+    3+5=8
+    8+9=17
+    17+2=19
+    answer: 19
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field, model_validator
+
+from dora.events import Prompt
+from dora.tasks.base import BaseTask, Split, TaskConfig, check_split, rng_for, split_of
+
+_PROBLEM = re.compile(r"Q: (\d+(?:\+\d+)+)\n")
+
+
+class ArithmeticConfig(TaskConfig):
+    """Problem-size distribution and number ranges."""
+
+    min_terms: int = Field(default=2, ge=2, le=512)
+    max_terms: int = Field(default=40, ge=2, le=512)
+    zipf_alpha: float = Field(
+        default=1.7, gt=1.0, le=10.0, description="Tail exponent of the extra-term count."
+    )
+    min_value: int = Field(default=1, ge=0)
+    max_value: int = Field(default=9, ge=1, le=10**9)
+    eval_percent: int = Field(default=10, ge=1, le=50, description="Share of problems in eval.")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> ArithmeticConfig:
+        if self.max_terms < self.min_terms:
+            raise ValueError(f"max_terms ({self.max_terms}) < min_terms ({self.min_terms})")
+        if self.max_value < self.min_value:
+            raise ValueError(f"max_value ({self.max_value}) < min_value ({self.min_value})")
+        return self
+
+
+def format_problem(terms: list[int]) -> str:
+    """Prompt text of a problem; ends with the ``A:`` cue and a newline."""
+    return f"Q: {'+'.join(map(str, terms))}\nA:\n"
+
+
+def scratchpad(terms: list[int]) -> str:
+    """The reference completion: one running-sum line per addition, then the answer line."""
+    lines = []
+    total = terms[0]
+    for t in terms[1:]:
+        new = total + t
+        lines.append(f"{total}+{t}={new}")
+        total = new
+    lines.append(f"answer: {total}")
+    return "\n".join(lines)
+
+
+def parse_terms(prompt: Prompt) -> list[int]:
+    """Terms of a problem, from metadata or (for foreign prompts) from the text."""
+    raw = prompt.metadata.get("terms")
+    if isinstance(raw, str) and raw:
+        return [int(x) for x in raw.split("+")]
+    match = _PROBLEM.search(prompt.text)
+    if match is None:
+        raise ValueError(f"prompt {prompt.prompt_id!r} is not an arithmetic problem")
+    return [int(x) for x in match.group(1).split("+")]
+
+
+class ArithmeticTask(BaseTask):
+    """Sums of ``n`` numbers, ``n - min_terms + 1 ~ zipf(alpha)`` truncated at ``max_terms``."""
+
+    name = "arithmetic"
+
+    def __init__(self, config: ArithmeticConfig | None = None) -> None:
+        self.config = config or ArithmeticConfig()
+
+    def _draw(self, split: Split, index: int) -> list[int]:
+        c = self.config
+        for attempt in range(10_000):
+            rng = rng_for(self.name, c.seed, split, index, attempt)
+            span = c.max_terms - c.min_terms + 1
+            extra = int(rng.zipf(c.zipf_alpha))
+            while extra > span:  # truncate by rejection: no spike at max_terms
+                extra = int(rng.zipf(c.zipf_alpha))
+            n = c.min_terms + extra - 1
+            terms = [int(v) for v in rng.integers(c.min_value, c.max_value + 1, size=n)]
+            if split_of("+".join(map(str, terms)), c.eval_percent) == split:
+                return terms
+        raise RuntimeError("could not draw a problem for the split")  # pragma: no cover
+
+    def prompt(self, split: Split, index: int) -> Prompt:
+        """Problem ``index`` of ``split`` (deterministic by seed, split and index)."""
+        check_split(split)
+        if index < 0:
+            raise ValueError(f"index must be >= 0, got {index}")
+        terms = self._draw(split, index)
+        return Prompt(
+            prompt_id=self.prompt_id(self.config.seed, split, index),
+            text=format_problem(terms),
+            answer=str(sum(terms)),
+            task=self.name,
+            split=split,
+            metadata={"terms": "+".join(map(str, terms)), "num_terms": len(terms)},
+        )
+
+    def solve(self, prompt: Prompt) -> str:
+        """The reference scratchpad completion (without the end-of-sequence token)."""
+        return scratchpad(parse_terms(prompt))
