@@ -361,6 +361,9 @@ class KVSnapshot(Event):
     first_token_at: float = 0.0
     kv_bytes: int = Field(ge=0, description="Length of the raw KV payload after the header.")
     kv_sha256: str = ""
+    reprefilled_tokens: int = Field(
+        default=0, ge=0, description="Tokens re-prefilled so far (preemption/resume)."
+    )
 
 
 class MigrationRecord(Event):
