@@ -1,0 +1,86 @@
+"""Paged attention over the engine's single KV tensor (an ``AttentionBackend``).
+
+Per layer it writes the step's new k/v into their slots, then attends:
+
+- decode tokens (one query per sequence) in buckets of similar context length: one batched
+  gather of each bucket's KV by block ids and ONE ``scaled_dot_product_attention`` call with a
+  padding mask; grouped-query heads ride along as extra query rows, so nothing is copied;
+- prefill chunks one sequence at a time, causal with the chunk's offset into its context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class DecodeBucket:
+    """Decode tokens ``[start, start + size)`` of the flat batch and their KV slots."""
+
+    start: int
+    size: int
+    slots: Tensor  # [size, max_ctx] slot ids (padding points at slot 0, masked out)
+    mask: Tensor  # [size, 1, 1, max_ctx] True = attend
+
+
+@dataclass
+class PrefillChunk:
+    """Query tokens ``[start, start + size)`` attending to ``slots`` (their whole context)."""
+
+    start: int
+    size: int
+    slots: Tensor  # [ctx] slot ids of positions 0..ctx-1
+    mask: Tensor | None  # [size, ctx] or None when the chunk is the whole context (causal)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the KV tensor and what each one attends to."""
+
+    slot_mapping: Tensor  # [N]
+    decode: list[DecodeBucket] = field(default_factory=list)
+    prefill: list[PrefillChunk] = field(default_factory=list)
+
+
+class PagedAttention:
+    """Callable ``(layer, q, k, v) -> out`` bound to one KV tensor and one step's metadata."""
+
+    def __init__(self, kv_cache: Tensor, block_size: int) -> None:
+        # kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.meta: AttentionMetadata | None = None
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        meta = self.meta
+        if meta is None:
+            raise RuntimeError("PagedAttention called without metadata")
+        num_kv_heads, head_dim = k.shape[-2], k.shape[-1]
+        k_cache = self.kv_cache[layer, 0].view(-1, num_kv_heads, head_dim)
+        v_cache = self.kv_cache[layer, 1].view(-1, num_kv_heads, head_dim)
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        num_heads = q.shape[-2]
+        groups = num_heads // num_kv_heads
+        for b in meta.decode:
+            qb = q[b.start : b.start + b.size]  # [B, H, D]
+            qb = qb.view(b.size, num_kv_heads, groups, head_dim)
+            kb = k_cache[b.slots].transpose(1, 2)  # [B, KVH, L, D]
+            vb = v_cache[b.slots].transpose(1, 2)
+            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask)
+            out[b.start : b.start + b.size] = ob.reshape(b.size, num_heads, head_dim)
+        for c in meta.prefill:
+            qc = q[c.start : c.start + c.size].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            kc = k_cache[c.slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+            vc = v_cache[c.slots].transpose(0, 1).unsqueeze(0)
+            if c.mask is None:
+                oc = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
+            else:
+                oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, enable_gqa=True)
+            out[c.start : c.start + c.size] = oc[0].transpose(0, 1)
+        return out

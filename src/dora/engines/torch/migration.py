@@ -1,0 +1,153 @@
+"""Export a sequence with exactly its KV blocks, and import one into fresh blocks.
+
+Export gathers the request's blocks from the engine's KV tensor (one ``index_select``);
+import scatters them into newly allocated blocks (one ``index_copy_``) and the request
+continues decoding with no prefill. Everything that could make the KV invalid on the target
+(version, model, dtype, block size, corrupt bytes) is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from dora.engines.base import CapacityError, EngineError, SnapshotError, VersionMismatch
+from dora.engines.snapshot import (
+    decode_snapshot,
+    dtype_name,
+    encode_snapshot,
+    payload_tensor,
+    tensor_bytes,
+)
+from dora.engines.torch.admission import _check_ids
+from dora.engines.torch.sequence import Sequence
+from dora.events import KVSnapshot, Migration
+
+if TYPE_CHECKING:
+    from dora.engines.torch.engine import TorchEngine
+
+
+def export_sequence(engine: TorchEngine, seq: Sequence) -> bytes:
+    """Snapshot bytes of ``seq``: header + KV of its computed tokens' blocks."""
+    cfg = engine.model.config
+    used = engine.blocks.blocks_needed(seq.num_computed)
+    blocks = seq.block_table[:used]
+    kv = engine.runner.gather_blocks(blocks) if blocks else None
+    payload = tensor_bytes(kv) if kv is not None else b""
+    header = KVSnapshot(
+        request=seq.request,
+        version=seq.version,
+        model_fingerprint=engine.model_fingerprint,
+        dtype=dtype_name(engine.runner.dtype),
+        block_size=engine.blocks.block_size,
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        num_blocks=len(blocks),
+        num_cached_tokens=seq.num_computed,
+        completion_token_ids=tuple(seq.completion),
+        logprobs=tuple(float(x) for x in seq.logprobs),
+        engines=tuple(seq.engines),
+        migrations=tuple(seq.migrations),
+        started_at=seq.started_at,
+        first_token_at=seq.first_token_at,
+        kv_bytes=len(payload),
+        reprefilled_tokens=seq.reprefilled,
+    )
+    return encode_snapshot(header, payload)
+
+
+def _check_compatible(engine: TorchEngine, h: KVSnapshot) -> None:
+    cfg = engine.model.config
+    rid = h.request.request_id
+    if engine.version is None or h.version != engine.version:
+        raise VersionMismatch(
+            f"snapshot of request {rid} is version {h.version}; engine {engine.engine_id} "
+            f"serves version {engine.version}"
+        )
+    if h.request.version != h.version:
+        raise SnapshotError(f"snapshot version {h.version} != request version {h.request.version}")
+    mine = dtype_name(engine.runner.dtype)
+    if h.dtype != mine:
+        raise SnapshotError(f"snapshot KV dtype {h.dtype} != engine dtype {mine}")
+    if h.block_size != engine.blocks.block_size:
+        raise SnapshotError(
+            f"snapshot block_size {h.block_size} != engine block_size {engine.blocks.block_size}"
+        )
+    geometry = (h.num_layers, h.num_kv_heads, h.head_dim)
+    expected = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    if geometry != expected or h.model_fingerprint != engine.model_fingerprint:
+        raise SnapshotError(
+            f"snapshot of request {rid} was made for another model (fingerprint "
+            f"{h.model_fingerprint}, layers/kv_heads/head_dim {geometry}); this engine is "
+            f"{engine.model_fingerprint} {expected}"
+        )
+
+
+def import_sequence(engine: TorchEngine, data: bytes) -> Sequence:
+    """A sequence rebuilt from snapshot bytes with its KV scattered into fresh blocks."""
+    h, payload = decode_snapshot(data)
+    _check_compatible(engine, h)
+    req = h.request
+    rid = req.request_id
+    if rid in engine._seqs:
+        raise EngineError(f"request_id {rid!r} is already in engine {engine.engine_id}")
+    prompt = list(req.prompt_token_ids)
+    completion = list(h.completion_token_ids)
+    vocab = engine.model.config.vocab_size
+    _check_ids("prompt_token_ids", prompt, vocab)
+    _check_ids("completion_token_ids", completion, vocab)
+    total = len(prompt) + len(completion)
+    if not prompt or len(h.logprobs) != len(completion):
+        raise SnapshotError(f"snapshot of {rid}: empty prompt or logprobs/tokens length differ")
+    if h.num_cached_tokens > total or engine.blocks.blocks_needed(h.num_cached_tokens) != (
+        h.num_blocks
+    ):
+        raise SnapshotError(
+            f"snapshot of {rid}: {h.num_cached_tokens} cached tokens do not match "
+            f"{h.num_blocks} blocks of {h.block_size} for {total} tokens"
+        )
+    kv = payload_tensor(h, payload)
+    if h.num_blocks > engine.blocks.num_free:
+        raise CapacityError(
+            f"import of {rid} needs {h.num_blocks} KV blocks, engine {engine.engine_id} has "
+            f"{engine.blocks.num_free} free"
+        )
+    if engine.blocks.blocks_needed(min(total + 1, engine.max_model_len)) > engine.blocks.num_blocks:
+        raise CapacityError(f"request {rid} does not fit engine {engine.engine_id} at all")
+    blocks = engine.blocks.allocate(h.num_blocks)
+    if blocks:
+        engine.runner.scatter_blocks(blocks, kv)
+    resume = req.resume
+    n_resumed = len(resume.token_ids) if resume else 0
+    versions = list(resume.token_versions) if resume and resume.token_versions else []
+    versions = (versions or [req.version] * n_resumed) + [h.version] * (len(completion) - n_resumed)
+    engines = list(h.engines)
+    source = engines[-1] if engines else "unknown"
+    if not engines or engines[-1] != engine.engine_id:
+        engines.append(engine.engine_id)
+    migration = Migration(
+        source=source,
+        target=engine.engine_id,
+        at_token=len(completion),
+        kv_bytes=len(payload),
+        seconds=max(0.0, time.time() - h.created_at),
+    )
+    return Sequence(
+        request=req,
+        token_ids=prompt + completion,
+        num_prompt=len(prompt),
+        version=h.version,
+        priority=req.priority,
+        logprobs=list(h.logprobs),
+        token_versions=versions,
+        track_versions=n_resumed > 0,
+        num_computed=h.num_cached_tokens,
+        block_table=blocks,
+        recompute_hw=h.num_cached_tokens,
+        reprefilled=h.reprefilled_tokens,
+        engines=engines,
+        migrations=[*h.migrations, migration],
+        started_at=h.started_at,
+        first_token_at=h.first_token_at,
+    )

@@ -1,0 +1,186 @@
+"""Turns a scheduled batch into one ``forward_tokens`` call over the paged KV tensor.
+
+The runner owns the KV tensor ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``
+(one tensor per engine, so exporting a request is a gather by block ids and importing it is a
+scatter) and builds the attention metadata of each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dora.engines.torch.attention import (
+    AttentionMetadata,
+    DecodeBucket,
+    PagedAttention,
+    PrefillChunk,
+)
+from dora.engines.torch.sequence import Sequence
+from dora.models import LlamaModel
+
+
+@dataclass
+class ScheduledSeq:
+    """``num_tokens`` pending tokens of ``seq`` computed in this step."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the sequence's last pending token (so it samples)."""
+        return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
+
+
+class ModelRunner:
+    """Holds the model and the KV tensor; runs one step's forward."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        bucket_waste: float = 0.5,
+    ) -> None:
+        self.model = model
+        cfg = model.config
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.bucket_waste = bucket_waste
+        self.kv_cache = torch.zeros(
+            cfg.num_hidden_layers,
+            2,
+            num_blocks,
+            block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        self.attn = PagedAttention(self.kv_cache, block_size)
+        self._arange_bs = torch.arange(block_size, device=device)
+
+    # ------------------------------------------------------------------ KV transfer
+
+    def gather_blocks(self, block_ids: list[int]) -> Tensor:
+        """KV of some blocks, ``[layers, 2, len(block_ids), block_size, kv_heads, head_dim]``."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return self.kv_cache.index_select(2, idx)
+
+    def scatter_blocks(self, block_ids: list[int], kv: Tensor) -> None:
+        """Write ``kv`` (as returned by ``gather_blocks``) into ``block_ids``."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        self.kv_cache.index_copy_(2, idx, kv.to(device=self.device, dtype=self.dtype))
+
+    def kv_bytes_per_token(self) -> int:
+        c = self.model.config
+        per_layer = 2 * c.num_key_value_heads * c.head_dim * self.kv_cache.element_size()
+        return c.num_hidden_layers * per_layer
+
+    # ------------------------------------------------------------------ step
+
+    def _slots(self, table: list[int], length: int) -> Tensor:
+        bt = torch.tensor(table, dtype=torch.long, device=self.device)
+        return (bt[:, None] * self.block_size + self._arange_bs).view(-1)[:length]
+
+    def prepare(
+        self, batch: list[ScheduledSeq]
+    ) -> tuple[Tensor, Tensor, Tensor, AttentionMetadata, list[Sequence]]:
+        """Flat input ids, positions, logits indices, attention metadata, sampling order.
+
+        Decode sequences go first, sorted by context length, so that each decode bucket is a
+        contiguous slice of the flat batch.
+        """
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logits_idx: list[int] = []
+        meta_decode: list[DecodeBucket] = []
+        meta_prefill: list[PrefillChunk] = []
+        decode = [s for s in batch if s.num_tokens == 1 and s.seq.num_computed > 0]
+        decode.sort(key=lambda s: s.seq.num_computed)
+        order: list[Sequence] = [s.seq for s in decode]
+        decode_set = {id(s) for s in decode}
+        rest = [s for s in batch if id(s) not in decode_set]
+        for s in decode:
+            seq = s.seq
+            p = seq.num_computed
+            logits_idx.append(len(ids))
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+        meta_decode = self._buckets(decode)
+        for s in rest:
+            seq = s.seq
+            c, n = seq.num_computed, s.num_tokens
+            start = len(ids)
+            ids.extend(seq.token_ids[c : c + n])
+            pos.extend(range(c, c + n))
+            ctx_slots = self._slots(seq.block_table, c + n)
+            slots.extend(ctx_slots[c:].tolist())
+            mask = None
+            if c > 0:
+                q_pos = torch.arange(c, c + n, device=self.device)
+                mask = torch.arange(c + n, device=self.device)[None, :] <= q_pos[:, None]
+            meta_prefill.append(PrefillChunk(start, n, ctx_slots, mask))
+            if s.samples:
+                logits_idx.append(start + n - 1)
+                order.append(seq)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            decode=meta_decode,
+            prefill=meta_prefill,
+        )
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            meta,
+            order,
+        )
+
+    def _buckets(self, decode: list[ScheduledSeq]) -> list[DecodeBucket]:
+        """Group consecutive decode sequences (sorted by context) so padding stays bounded."""
+        out: list[DecodeBucket] = []
+        i = 0
+        while i < len(decode):
+            j = i + 1
+            total = decode[i].seq.num_computed + 1
+            while j < len(decode):
+                ctx = decode[j].seq.num_computed + 1
+                if (j - i + 1) * ctx > (1 + self.bucket_waste) * (total + ctx):
+                    break
+                total += ctx
+                j += 1
+            group = decode[i:j]
+            max_ctx = max(s.seq.num_computed + 1 for s in group)
+            max_blocks = -(-max_ctx // self.block_size)
+            rows = [s.seq.block_table[:max_blocks] for s in group]
+            rows = [r + [0] * (max_blocks - len(r)) for r in rows]
+            table = torch.tensor(rows, dtype=torch.long, device=self.device)
+            slots = (table[:, :, None] * self.block_size + self._arange_bs).view(len(group), -1)
+            slots = slots[:, :max_ctx]
+            lens = torch.tensor([s.seq.num_computed + 1 for s in group], device=self.device)
+            mask = torch.arange(max_ctx, device=self.device)[None, :] < lens[:, None]
+            out.append(DecodeBucket(i, len(group), slots, mask[:, None, None, :]))
+            i = j
+        return out
+
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledSeq]) -> tuple[Tensor, list[Sequence]]:
+        """Logits ``[num_sampling_seqs, vocab]`` (fp32) and the sequences they belong to."""
+        input_ids, positions, logits_idx, meta, order = self.prepare(batch)
+        self.attn.meta = meta
+        try:
+            logits = self.model.forward_tokens(input_ids, positions, self.attn, logits_idx)
+        finally:
+            self.attn.meta = None
+        return logits.float(), order

@@ -1,0 +1,81 @@
+"""One request inside the engine: its tokens, KV block table and bookkeeping.
+
+``token_ids`` is prompt + completion (resumed tokens included); ``num_computed`` tokens have
+KV in the blocks of ``block_table``. The tokens in between are what the next steps compute:
+the whole context before the first sample (prefill), then exactly the last sampled token
+(decode).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from dora.events import Migration, RolloutRequest
+
+_arrival = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    EXPORTED = "exported"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """Mutable engine-side state of one request."""
+
+    request: RolloutRequest
+    token_ids: list[int]
+    num_prompt: int
+    version: int
+    priority: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    track_versions: bool = False
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    # tokens in [0, recompute_hw) had KV computed before (resume or preemption): computing
+    # them again is re-prefill, counted honestly in ``reprefilled``
+    recompute_hw: int = 0
+    reprefilled: int = 0
+    engines: list[str] = field(default_factory=list)
+    migrations: list[Migration] = field(default_factory=list)
+    arrival: int = field(default_factory=lambda: next(_arrival))
+    started_at: float = 0.0
+    first_token_at: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    added_at: float = field(default_factory=time.time)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def completion(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def num_completion(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens without KV yet (computed by the next step that schedules this sequence)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_decode(self) -> bool:
+        """Only the last sampled token is pending: a decode step, not a prefill."""
+        return self.num_pending == 1 and self.num_completion > 0
+
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: higher priority first, then first come first served."""
+        return (-self.priority, self.arrival)
