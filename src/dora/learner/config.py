@@ -1,0 +1,60 @@
+"""Configuration of the learner service (one dataclass, nested loss and optimiser configs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from dora.learner.grpo import GRPOConfig
+from dora.learner.trainer import OptimConfig
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """Everything the learner service needs besides the bus, the model and the run dir."""
+
+    batch_groups: int = 8
+    """B: GRPO groups per learner step."""
+    staleness_bound: int = 2
+    """K: a group of version u may be trained at step s only if s - u <= K."""
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    max_steps: int | None = None
+    """Stop after this many steps (None: run until stopped)."""
+    checkpoint_every: int = 10
+    """Steps between checkpoints (messages stay unacked until one covers them)."""
+    keep_checkpoints: int | None = 3
+    publish_initial: bool = True
+    """On a fresh start, publish the initial weights as version 0."""
+    weight_store: Literal["objectstore", "directory"] = "objectstore"
+    weight_dir: Path | None = None
+    """Directory of the ``directory`` weight store (default: ``<run_dir>/weights``)."""
+    keep_weight_versions: int | None = None
+    """Delete blobs older than the newest N versions (None: keep all)."""
+    durable: str = "learner"
+    fetch_batch: int = 64
+    fetch_timeout_s: float = 0.5
+    ack_wait_s: float = 60.0
+    max_ack_pending: int | None = None
+    """Default: room for ``checkpoint_every + 2`` batches of groups of 16, at least 1024."""
+    ledger_poll_s: float = 0.2
+    tensorboard: bool = True
+
+    def __post_init__(self) -> None:
+        if self.batch_groups < 1:
+            raise ValueError(f"batch_groups must be >= 1, got {self.batch_groups}")
+        if self.staleness_bound < 0:
+            raise ValueError(f"staleness_bound must be >= 0, got {self.staleness_bound}")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        if self.max_steps is not None and self.max_steps < 0:
+            raise ValueError(f"max_steps must be >= 0, got {self.max_steps}")
+        if self.ack_wait_s <= 0:
+            raise ValueError(f"ack_wait_s must be > 0, got {self.ack_wait_s}")
+
+    @property
+    def ack_pending_limit(self) -> int:
+        if self.max_ack_pending is not None:
+            return self.max_ack_pending
+        return max(1024, (self.checkpoint_every + 2) * self.batch_groups * 16)
