@@ -1,0 +1,405 @@
+"""Event-driven timing core of one replica: no tokens are computed, only when things happen.
+
+All running requests advance one token per decode step, so the core keeps one step counter
+and stores, per request, the step at which its current segment ends. Between two events the
+batch is fixed and the context grows by ``batch`` per step, so the time to the next event
+(a request finishing, the KV cache filling up, a tool answer arriving) is a closed form from
+the cost model: the core jumps there in O(log n) instead of stepping every token.
+
+Scheduling mirrors vLLM's: waiting requests are admitted by priority while there is room
+(``max_seqs`` and KV tokens), admission costs a prefill, and when the KV cache is full the
+youngest running request is preempted (recompute: it re-prefills when readmitted).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from dora.engines.sim.cost import CostModel
+from dora.engines.sim.workload import RequestSpec
+
+INF = math.inf
+
+
+@dataclass(eq=False, slots=True)
+class SimRequest:
+    """A request's spec and progress; the fields after ``spec`` are the core's bookkeeping."""
+
+    rid: int
+    version: int
+    group: int
+    index: int
+    spec: RequestSpec
+    priority: int = 0
+    dispatched_at: float = 0.0
+    seg: int = 0  # current segment (turn)
+    seg_done: int = 0  # decoded tokens of the current segment
+    generated: int = 0  # decoded tokens of finished segments + seg_done
+    context: int = 0  # tokens whose KV this request holds (or would hold once prefilled)
+    prefill: int = 0  # tokens to prefill when next admitted
+    kv_held: int = 0  # tokens of KV already resident on the engine while waiting
+    reprefilled: int = 0  # tokens prefilled again after an interruption (partial rollout)
+    recomputed: int = 0  # tokens prefilled again after a KV-full preemption
+    migrations: int = 0
+    migrated_bytes: int = 0
+    engines: list[int] = field(default_factory=list)
+    version_tokens: list[tuple[int, int]] = field(default_factory=list)
+    started_at: float = -1.0
+    finished_at: float = -1.0
+    # while running
+    admit_step: int = 0
+    admit_seg_done: int = 0
+    admit_context: int = 0
+    heap_key: int = -1
+
+    @property
+    def done(self) -> bool:
+        return self.finished_at >= 0
+
+    @property
+    def remaining(self) -> int:
+        """Decode tokens left (all segments)."""
+        return self.spec.decode_tokens - self.generated
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.generated + sum(self.spec.tool_tokens[: self.seg])
+
+
+class TimingCore:
+    """One replica in virtual time. Not thread-safe; the simulator or SimEngine drives it."""
+
+    def __init__(
+        self,
+        cost: CostModel,
+        engine_id: int = 0,
+        max_seqs: int | None = None,
+        admit_fraction: float = 0.98,
+        strict_versions: bool = True,
+    ) -> None:
+        if admit_fraction <= 0 or admit_fraction > 1:
+            raise ValueError(f"admit_fraction must be in (0, 1], got {admit_fraction}")
+        self.cost = cost
+        self.engine_id = engine_id
+        self.capacity = cost.kv_capacity_tokens
+        self.max_seqs = max_seqs if max_seqs is not None else cost.max_num_seqs
+        if self.max_seqs < 1:
+            raise ValueError(f"max_seqs must be >= 1, got {self.max_seqs}")
+        self.admit_cap = int(self.capacity * admit_fraction)
+        self.strict_versions = strict_versions  # False: partial rollout mixes versions
+        self.version: int | None = None
+        self._blocked = False  # after a preemption, admit nothing until something leaves
+        self.clock = 0.0
+        self.steps = 0
+        self.context = 0  # KV tokens of running requests
+        self.held = 0  # KV tokens of waiting requests that keep their KV (imports, tool waits)
+        self.running: dict[int, SimRequest] = {}
+        self._ends: list[tuple[int, int, SimRequest]] = []
+        self._waiting: list[tuple[int, int, SimRequest]] = []
+        self._waiting_ids: dict[int, SimRequest] = {}
+        self._waiting_prefill = 0
+        self._tools: list[tuple[float, int, SimRequest]] = []
+        self._seq = itertools.count()
+        # accounting
+        self.busy_s = 0.0
+        self.decode_s = 0.0
+        self.prefill_s = 0.0
+        self.load_s = 0.0
+        self.decoded_tokens = 0
+        self.preemptions = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting_ids)
+
+    @property
+    def num_tool_waiting(self) -> int:
+        return len(self._tools)
+
+    def num_requests(self) -> int:
+        return len(self.running) + len(self._waiting_ids) + len(self._tools)
+
+    def has_work(self) -> bool:
+        return self.num_requests() > 0
+
+    def kv_used(self) -> int:
+        return self.context + self.held
+
+    def requests(self) -> list[SimRequest]:
+        """Every request held, progress synced to the current step."""
+        for req in self.running.values():
+            self._sync(req)
+        return (
+            list(self.running.values())
+            + list(self._waiting_ids.values())
+            + [r for _, _, r in self._tools]
+        )
+
+    def can_accept(self, prefill_tokens: int) -> bool:
+        """Room for one more request now (the pull-consumer backpressure of a generator)."""
+        if len(self.running) + len(self._waiting_ids) >= self.max_seqs:
+            return False
+        used = self.context + self.held + self._waiting_prefill
+        return used + prefill_tokens <= self.admit_cap
+
+    def next_event_time(self) -> float:
+        """Virtual time of this core's next internal event (inf when idle)."""
+        if self._waiting and self._admissible(self._waiting[0][2]):
+            return self.clock
+        t = self._tools[0][0] if self._tools else INF
+        n = len(self.running)
+        if n:
+            k_fin = self._top_end() - self.steps
+            k_cap = (self.capacity - self.context - self.held) // n
+            k = max(min(k_fin, k_cap), 0)
+            t = min(t, self.clock + self.cost.steps_time(k, n, self.context))
+        return t
+
+    # ------------------------------------------------------------------ commands
+    def add(self, req: SimRequest, now: float | None = None) -> None:
+        """Queue a fresh (or resumed) request; it prefills ``req.prefill`` tokens on admission."""
+        if self.strict_versions and self.version is not None and req.version != self.version:
+            raise ValueError(
+                f"version: request {req.rid} is v{req.version}, engine {self.engine_id} "
+                f"serves v{self.version}"
+            )
+        if now is not None and now > self.clock and not self.has_work():
+            self.clock = now
+        if req.context == 0 and req.generated == 0:
+            req.context = req.spec.prompt_len
+            req.prefill = req.spec.prompt_len
+        req.engines.append(self.engine_id)
+        self._push_waiting(req, front=False)
+
+    def import_request(self, req: SimRequest, now: float) -> None:
+        """Take a migrated request whose KV (``req.context`` tokens) arrives with it."""
+        self.advance_to(now)
+        req.kv_held = req.context
+        req.prefill = 0
+        self.held += req.context
+        req.engines.append(self.engine_id)
+        self._push_waiting(req, front=True)
+
+    def remove(self, rid: int, keep_kv: bool) -> SimRequest:
+        """Take a request out (export when ``keep_kv``, abort otherwise), synced to now."""
+        req = self.running.pop(rid, None)
+        if req is not None:
+            self._sync(req)
+            self.context -= req.context
+            req.heap_key = -1
+        else:
+            req = self._waiting_ids.pop(rid, None)
+            if req is not None:
+                self._waiting_prefill -= req.prefill
+                self.held -= req.kv_held
+            else:
+                for i, (_, _, r) in enumerate(self._tools):
+                    if r.rid == rid:
+                        req = r
+                        self._tools.pop(i)
+                        heapq.heapify(self._tools)
+                        self.held -= r.context
+                        break
+                if req is None:
+                    raise KeyError(f"request_id: {rid} is not on engine {self.engine_id}")
+        req.kv_held = 0
+        self._blocked = False
+        if not keep_kv:
+            req.prefill = req.context  # re-prefill prompt + everything generated
+        return req
+
+    def interrupt_all(self) -> list[SimRequest]:
+        """Partial rollout: drop every request's KV and hand them back (to resume later)."""
+        out = [self.remove(rid, keep_kv=False) for rid in list(self.running)]
+        out += [self.remove(rid, keep_kv=False) for rid in list(self._waiting_ids)]
+        out += [self.remove(r.rid, keep_kv=False) for _, _, r in list(self._tools)]
+        return out
+
+    def load_weights(self, version: int, now: float) -> float:
+        """Swap weights (engine pauses for the load); returns when it is ready."""
+        self.advance_to(now)
+        if self.strict_versions and any(r.version != version for r in self.requests()):
+            raise ValueError(f"version: engine {self.engine_id} holds requests of another version")
+        self.clock = max(self.clock, now) + self.cost.weight_load_time
+        self.load_s += self.cost.weight_load_time
+        self.busy_s += self.cost.weight_load_time
+        self.version = version
+        return self.clock
+
+    def set_priority(self, rid: int, priority: int) -> None:
+        req = self._waiting_ids.get(rid)
+        if req is not None:
+            self._waiting_ids.pop(rid)
+            self._waiting_prefill -= req.prefill
+            self._waiting = [e for e in self._waiting if e[2].rid != rid]
+            heapq.heapify(self._waiting)
+            req.priority = priority
+            self._push_waiting(req, front=False)
+            return
+        req = self.running.get(rid)
+        if req is None:
+            raise KeyError(f"request_id: {rid} is not on engine {self.engine_id}")
+        req.priority = priority  # running requests already decode every step
+
+    # ------------------------------------------------------------------ time
+    def advance_to(self, t: float) -> list[SimRequest]:
+        """Run until virtual time ``t`` (finishing the step in flight); return finished ones."""
+        finished: list[SimRequest] = []
+        cost = self.cost
+        while True:
+            self._admit()
+            n = len(self.running)
+            if n and (self.capacity - self.context - self.held) // n <= 0:
+                self._preempt_youngest()
+                continue
+            if self.clock >= t:
+                break
+            t_evt = INF
+            k_evt = 0
+            if n:
+                k_fin = self._top_end() - self.steps
+                k_cap = (self.capacity - self.context - self.held) // n
+                k_evt = min(k_fin, k_cap)
+                t_evt = self.clock + cost.steps_time(k_evt, n, self.context)
+            t_wake = self._tools[0][0] if self._tools else INF
+            target = min(t_evt, t_wake, t)
+            if target == INF:
+                break
+            if n == 0:
+                self.clock = max(self.clock, target)
+            else:
+                if target == t_evt:
+                    k = k_evt
+                else:
+                    k = cost.steps_within(target - self.clock, n, self.context)
+                    if cost.steps_time(k, n, self.context) < target - self.clock:
+                        k += 1  # finish the step in flight
+                    k = min(k, k_evt)
+                self._advance(k, n)
+                if k == k_evt:
+                    self._segment_ends(finished)
+            while self._tools and self._tools[0][0] <= self.clock:
+                _, _, req = heapq.heappop(self._tools)
+                req.kv_held = req.context  # stays counted in self.held until admitted
+                req.prefill = req.spec.tool_tokens[req.seg - 1]
+                self._push_waiting(req, front=True)
+        return finished
+
+    def run_until_idle(self) -> list[SimRequest]:
+        return self.advance_to(INF)
+
+    # ------------------------------------------------------------------ internals
+    def _advance(self, k: int, n: int) -> None:
+        dt = self.cost.steps_time(k, n, self.context)
+        self.clock += dt
+        self.busy_s += dt
+        self.decode_s += dt
+        self.context += n * k
+        self.steps += k
+        self.decoded_tokens += n * k
+
+    def _top_end(self) -> int:
+        ends = self._ends
+        while ends and ends[0][2].heap_key != ends[0][1]:
+            heapq.heappop(ends)
+        return ends[0][0]
+
+    def _sync(self, req: SimRequest) -> None:
+        d = self.steps - req.admit_step
+        gen_before = req.generated - req.seg_done
+        req.seg_done = req.admit_seg_done + d
+        req.generated = gen_before + req.seg_done
+        req.context = req.admit_context + d
+
+    def _segment_ends(self, finished: list[SimRequest]) -> None:
+        ends = self._ends
+        while ends:
+            end, key, req = ends[0]
+            if req.heap_key != key:
+                heapq.heappop(ends)
+                continue
+            if end > self.steps:
+                break
+            heapq.heappop(ends)
+            self._sync(req)
+            del self.running[req.rid]
+            self.context -= req.context
+            req.heap_key = -1
+            req.seg += 1
+            req.seg_done = 0
+            if req.seg >= len(req.spec.segments):
+                req.finished_at = self.clock
+                finished.append(req)
+            else:  # tool call: keep the KV, wake when the tool answers
+                self.held += req.context
+                lat = req.spec.tool_latency[req.seg - 1]
+                heapq.heappush(self._tools, (self.clock + lat, next(self._seq), req))
+            self._blocked = False
+
+    def _push_waiting(self, req: SimRequest, front: bool) -> None:
+        order = -next(self._seq) - 10**12 if front else next(self._seq)
+        heapq.heappush(self._waiting, (-req.priority, order, req))
+        self._waiting_ids[req.rid] = req
+        self._waiting_prefill += req.prefill
+
+    def _admissible(self, req: SimRequest) -> bool:
+        if len(self.running) >= self.max_seqs:
+            return False
+        if not self.running:
+            return True  # never deadlock on an empty engine
+        if self._blocked:
+            return False
+        return self.context + self.held + req.prefill <= self.admit_cap
+
+    def _admit(self) -> None:
+        waiting = self._waiting
+        prefill_s = 0.0
+        while waiting:
+            req = waiting[0][2]
+            if self._waiting_ids.get(req.rid) is not req:
+                heapq.heappop(waiting)
+                continue
+            if not self._admissible(req):
+                break
+            heapq.heappop(waiting)
+            del self._waiting_ids[req.rid]
+            self._waiting_prefill -= req.prefill
+            self.held -= req.kv_held
+            if req.prefill:
+                start = req.kv_held
+                prefill_s += self.cost.prefill_time(req.prefill, start)
+                if req.kv_held:  # tool output appended to a resident context
+                    req.context = req.kv_held + req.prefill
+            req.kv_held = 0
+            req.prefill = 0
+            if req.started_at < 0:
+                req.started_at = self.clock
+            req.admit_step = self.steps
+            req.admit_seg_done = req.seg_done
+            req.admit_context = req.context
+            self.context += req.context
+            key = next(self._seq)
+            req.heap_key = key
+            end = self.steps + req.spec.segments[req.seg] - req.seg_done
+            heapq.heappush(self._ends, (end, key, req))
+            self.running[req.rid] = req
+        if prefill_s:
+            self.clock += prefill_s
+            self.busy_s += prefill_s
+            self.prefill_s += prefill_s
+
+    def _preempt_youngest(self) -> None:
+        rid = next(reversed(self.running))
+        req = self.remove(rid, keep_kv=False)
+        req.recomputed += req.context
+        self.preemptions += 1
+        self._blocked = True
+        self._push_waiting(req, front=True)
