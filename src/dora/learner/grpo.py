@@ -213,9 +213,9 @@ def grpo_loss(
         low = (ratio < 1.0 - config.eps_low) & (adv < 0)
         high = (ratio > 1.0 + config.eps_high) & (adv > 0)
         metrics = {
-            "loss/pg": float(pg_loss),
-            "loss/kl": float(kl_loss),
-            "loss/total": float(loss),
+            "loss/pg": pg_loss.item(),
+            "loss/kl": kl_loss.item(),
+            "loss/total": loss.item(),
             "clip/frac_low": mean(low),
             "clip/frac_high": mean(high),
             "clip/frac": mean(low | high),
