@@ -1,0 +1,131 @@
+"""``dora run PIPELINE.yaml``: run a pipeline with a live progress display, then summarize.
+
+Without ``--nats`` it starts an embedded nats-server with JetStream in the run directory
+(default ``runs/<run_id>/``) and stops it at the end; the summary goes to
+``<run_dir>/summary.json``. Ctrl-C drains the stages and stops cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from dora.pipeline import Pipeline
+
+
+def _progress_rows(pipeline: Pipeline) -> list[tuple[str, int, int | None, str]]:
+    rows = []
+    for runner in pipeline.runners:
+        stats, stage = runner.stats, runner.stage
+        done = stats.processed
+        extra = f"in {stats.received} out {stats.published}"
+        if stats.retried or stats.dead_lettered:
+            extra += f" retried {stats.retried} dead {stats.dead_lettered}"
+        rows.append((stage.name, done, stage.progress_total(), extra))
+    return rows
+
+
+async def _run(pipeline: Pipeline, console: Console, refresh_s: float = 0.2) -> dict[str, Any]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    progress = Progress(
+        TextColumn("[bold]{task.description:<12}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[extra]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    try:
+        async with pipeline:
+            ids = {}
+            for name, done, total, extra in _progress_rows(pipeline):
+                ids[name] = progress.add_task(name, total=total, completed=done, extra=extra)
+            waiter = asyncio.create_task(pipeline.wait())
+            stopper = asyncio.create_task(stop.wait())
+            with progress:
+                while not waiter.done():
+                    await asyncio.wait({waiter, stopper}, timeout=refresh_s)
+                    if stopper.done() and not waiter.done():
+                        console.print("[yellow]stopping: draining stages...")
+                        await pipeline.stop()
+                    for name, done, total, extra in _progress_rows(pipeline):
+                        progress.update(ids[name], completed=done, total=total, extra=extra)
+            stopper.cancel()
+            await waiter
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
+    summary = pipeline.summary()
+    pipeline.write_summary(summary)
+    return summary
+
+
+def _print_summary(console: Console, summary: dict[str, Any], path: Path) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{summary['pipeline']} ({summary['run_id']}) in {summary['seconds']}s")
+    for column in ("stage", "processed", "published", "retried", "dead-lettered", "results"):
+        table.add_column(column)
+    for name, info in summary["stages"].items():
+        stats = info["stats"]
+        results = ", ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in info.items()
+            if k not in ("stats", "replicas")
+        )
+        table.add_row(
+            name,
+            str(stats["processed"]),
+            str(stats["published"]),
+            str(stats["retried"]),
+            str(stats["dead_lettered"]),
+            results,
+        )
+    console.print(table)
+    state = "completed" if summary["completed"] else "stopped before completion"
+    console.print(f"{state}; summary: {path}")
+
+
+def cli(
+    pipeline: Annotated[
+        Path, typer.Argument(help="Pipeline YAML file, e.g. pipelines/quickstart.yaml.")
+    ],
+    nats: Annotated[
+        str | None, typer.Option("--nats", help="NATS URL; default: start an embedded server.")
+    ] = None,
+    run_dir: Annotated[
+        Path | None, typer.Option("--run-dir", help="Run directory; default runs/<run_id>.")
+    ] = None,
+    run_id: Annotated[
+        str | None, typer.Option("--run-id", help="Run id (prefixes every subject).")
+    ] = None,
+) -> None:
+    """Run a pipeline until its finite stages finish (or Ctrl-C), with live progress."""
+    from rich.console import Console
+
+    from dora.pipeline import PipelineConfigError, load_pipeline
+
+    console = Console()
+    try:
+        pipe = load_pipeline(pipeline, run_id=run_id, nats_url=nats, run_dir=run_dir)
+    except PipelineConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
+        raise typer.Exit(2) from exc
+    console.print(f"run [bold]{pipe.run_id}[/bold] -> {pipe.run_dir}")
+    summary = asyncio.run(_run(pipe, console))
+    _print_summary(console, summary, pipe.run_dir / "summary.json")

@@ -1,0 +1,227 @@
+"""``Pipeline``: stages composed over one bus, started together, finished together.
+
+Without a bus, a pipeline opens its own: the embedded nats-server (JetStream stored in the
+run directory) when no NATS URL is given, else a connection to that URL. Consumers of every
+stage are created before any stage starts, so no event published by an early stage is lost
+on an interest-retention stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from dora.bus import Bus, NatsBus, default_streams
+from dora.bus.server import NatsServer
+from dora.stage import Stage, StageError, StageRunner
+from dora.subjects import Subjects
+
+log = structlog.get_logger(__name__)
+
+SUMMARY_FILE = "summary.json"
+
+
+class PipelineError(RuntimeError):
+    """A stage of the pipeline failed; the pipeline was stopped."""
+
+
+def new_run_id(prefix: str = "run") -> str:
+    """``<prefix>-<utc time>-<4 hex>``: sortable, unique, a valid NATS token."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    return f"{prefix}-{stamp}-{uuid.uuid4().hex[:4]}"
+
+
+class Pipeline:
+    """Stages over one bus: ``await p.run()``, or ``async with p: await p.wait()``."""
+
+    def __init__(
+        self,
+        run_id: str | None = None,
+        bus: Bus | None = None,
+        *,
+        name: str = "pipeline",
+        nats_url: str | None = None,
+        run_dir: Path | None = None,
+        stream_max_msgs: int = 100_000,
+        drain_timeout: float = 30.0,
+    ) -> None:
+        if bus is not None and run_id is not None and bus.subjects.run != run_id:
+            raise StageError(f"run_id {run_id!r} differs from the bus's {bus.subjects.run!r}")
+        self.run_id = bus.subjects.run if bus is not None else (run_id or new_run_id(name))
+        self.subjects = Subjects(self.run_id)
+        self.name = name
+        self.nats_url = nats_url
+        self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / self.run_id
+        self.stream_max_msgs = stream_max_msgs
+        self.drain_timeout = drain_timeout
+        self._bus = bus
+        self._owns_bus = bus is None
+        self._server: NatsServer | None = None
+        self._entries: list[tuple[Stage, int]] = []
+        self.runners: list[StageRunner] = []
+        self._stop_requested = asyncio.Event()
+        self._started_at = 0.0
+        self._finished_at = 0.0
+        self._completed = False
+        self._running = False
+
+    # ----------------------------------------------------------------- composition
+
+    def add(self, stage: Stage, replicas: int = 1) -> Pipeline:
+        """Add a stage (``replicas`` pull loops sharing one durable consumer)."""
+        if self._running:
+            raise StageError("cannot add a stage to a running pipeline")
+        if any(s.name == stage.name for s, _ in self._entries):
+            raise StageError(f"two stages named {stage.name!r}; give one a `name=`")
+        if replicas < 1 or (stage.is_source and replicas != 1):
+            raise StageError(f"stage {stage.name}: replicas must be >= 1 (exactly 1 for a source)")
+        self._entries.append((stage, replicas))
+        return self
+
+    @property
+    def stages(self) -> list[Stage]:
+        return [s for s, _ in self._entries]
+
+    @property
+    def bus(self) -> Bus:
+        if self._bus is None:
+            raise StageError("the pipeline is not started")
+        return self._bus
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def _open_bus(self) -> None:
+        if self._bus is not None:
+            return
+        url = self.nats_url
+        if url is None:
+            self._server = NatsServer(self.run_dir / "nats")
+            await asyncio.to_thread(self._server.start)
+            url = self._server.url
+        streams = default_streams(max_msgs=self.stream_max_msgs)
+        self._bus = NatsBus(self.subjects, url, streams=streams)
+        await self._bus.connect()
+
+    async def start(self) -> None:
+        if self._running:
+            return
+        if not self._entries:
+            raise StageError("the pipeline has no stages")
+        self._running = True
+        self._started_at = time.time()
+        try:
+            await self._open_bus()
+            self.runners = [
+                StageRunner(stage, self.bus, replicas, drain_timeout=self.drain_timeout)
+                for stage, replicas in self._entries
+            ]
+            for runner in self.runners:
+                await runner.prepare()
+            # downstream first, sources last: every consumer is ready before data flows
+            for runner in sorted(self.runners, key=lambda r: r.stage.is_source):
+                await runner.start()
+        except BaseException:
+            await self.stop()
+            raise
+        log.info("pipeline started", run=self.run_id, stages=[s.name for s in self.stages])
+
+    async def wait(self) -> None:
+        """Until every finite stage is complete (or ``stop()``); raise if a stage fails."""
+        finite = [r.ctx.completed for r in self.runners if r.stage.finite]
+        waiters = {asyncio.create_task(ev.wait()) for ev in finite}
+        stop = asyncio.create_task(self._stop_requested.wait())
+        pending: set[asyncio.Task[Any]] = {t for r in self.runners for t in r.tasks}
+        pending |= waiters | {stop}
+        try:
+            while True:
+                if finite and all(ev.is_set() for ev in finite):
+                    self._completed = True
+                    return
+                if stop.done():
+                    return
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task in waiters or task is stop or task.cancelled():
+                        continue
+                    exc = task.exception()
+                    if exc is not None:
+                        raise PipelineError(
+                            f"stage task {task.get_name()} failed: {exc!r}"
+                        ) from exc
+        finally:
+            for task in (*waiters, stop):
+                task.cancel()
+
+    async def stop(self) -> None:
+        """Drain and stop every stage (in order), then close what the pipeline opened."""
+        self._stop_requested.set()
+        for runner in self.runners:
+            try:
+                await runner.stop()
+            except Exception:
+                log.exception("stage stop failed", stage=runner.stage.name)
+        if self._owns_bus and self._bus is not None:
+            with contextlib.suppress(Exception):
+                await self._bus.close()
+            self._bus = None
+        if self._server is not None:
+            await asyncio.to_thread(self._server.stop)
+            self._server = None
+        if self._running:
+            self._finished_at = time.time()
+        self._running = False
+
+    async def run(self) -> dict[str, Any]:
+        """Start, wait until finished, stop; returns the summary (also written to the run dir
+        when the pipeline owns its bus)."""
+        async with self:
+            await self.wait()
+        summary = self.summary()
+        if self._owns_bus:
+            self.write_summary(summary)
+        return summary
+
+    async def __aenter__(self) -> Pipeline:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ----------------------------------------------------------------- results
+
+    @property
+    def completed(self) -> bool:
+        """Every finite stage finished (as opposed to a stop or a failure)."""
+        return self._completed
+
+    def summary(self) -> dict[str, Any]:
+        end = self._finished_at or time.time()
+        return {
+            "pipeline": self.name,
+            "run_id": self.run_id,
+            "completed": self._completed,
+            "started_at": self._started_at,
+            "seconds": round(end - self._started_at, 3) if self._started_at else 0.0,
+            "stages": {
+                r.stage.name: {
+                    "replicas": r.replicas,
+                    "stats": r.stats.as_dict(),
+                    **r.stage.summary(),
+                }
+                for r in self.runners
+            },
+        }
+
+    def write_summary(self, summary: dict[str, Any] | None = None) -> Path:
+        path = self.run_dir / SUMMARY_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary or self.summary(), indent=2, sort_keys=True) + "\n")
+        return path

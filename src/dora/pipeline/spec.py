@@ -1,0 +1,144 @@
+"""Pipelines as YAML files (``pipelines/*.yaml``), validated before anything starts.
+
+Schema::
+
+    name: quickstart                 # optional, default: the file stem
+    run_id: null                     # optional; default <name>-<utc time>-<hex>
+    nats: null                       # optional NATS URL; none = embedded nats-server
+    stream_max_msgs: 100000          # optional backpressure bound of work streams
+    drain_timeout_s: 30              # optional
+    stages:                          # at least one
+      - type: prompt_source          # registry name (dora.registry) or package.module:attr
+        name: prompts                # optional, default: the stage's own name
+        replicas: 1                  # optional
+        concurrency: 4               # optional override
+        retry: {max_deliver: 5, backoff_s: 0.5, backoff_factor: 2, max_backoff_s: 30,
+                ack_wait_s: 30}      # optional override, every key optional
+        config: {task: arithmetic, count: 32}   # validated by the stage's Config model
+
+Every error names the file and the field, e.g. ``quickstart.yaml: stages[1].config.count:
+Input should be a valid integer``; an unknown type lists the registered ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dora.bus import Bus
+from dora.pipeline.core import Pipeline
+from dora.registry import UnknownStageType, build_stage
+from dora.stage import RetryPolicy, StageError
+
+
+class PipelineConfigError(ValueError):
+    """A pipeline file that cannot be used; the message names the file and the field."""
+
+
+class RetrySpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_deliver: int = Field(default=5, ge=1)
+    backoff_s: float = Field(default=0.5, ge=0)
+    backoff_factor: float = Field(default=2.0, ge=1)
+    max_backoff_s: float = Field(default=30.0, ge=0)
+    ack_wait_s: float = Field(default=30.0, gt=0)
+
+
+class StageEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: str = Field(min_length=1)
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]+$")
+    replicas: int = Field(default=1, ge=1)
+    concurrency: int | None = Field(default=None, ge=1)
+    retry: RetrySpec | None = None
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+class PipelineFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]+$")
+    run_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]+$")
+    nats: str | None = None
+    stream_max_msgs: int = Field(default=100_000, ge=1)
+    drain_timeout_s: float = Field(default=30.0, gt=0)
+    stages: list[StageEntry] = Field(min_length=1)
+
+
+def _loc(prefix: str, loc: tuple[Any, ...]) -> str:
+    out = prefix
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<file>"
+
+
+def _errors(path: Path, prefix: str, exc: ValidationError) -> str:
+    lines = [
+        f"{path}: {_loc(prefix, tuple(e['loc']))}: {e['msg']}"
+        for e in exc.errors(include_url=False, include_input=False)
+    ]
+    return "\n".join(lines)
+
+
+def read_pipeline_file(path: Path) -> PipelineFile:
+    """Parse and validate the file's structure (not yet the stages' configs)."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise PipelineConfigError(f"{path}: cannot read: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise PipelineConfigError(f"{path}: invalid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise PipelineConfigError(f"{path}: expected a mapping with a `stages` list")
+    try:
+        return PipelineFile.model_validate(raw)
+    except ValidationError as exc:
+        raise PipelineConfigError(_errors(path, "", exc)) from exc
+
+
+def load_pipeline(
+    path: Path,
+    *,
+    run_id: str | None = None,
+    bus: Bus | None = None,
+    nats_url: str | None = None,
+    run_dir: Path | None = None,
+) -> Pipeline:
+    """A ready-to-run Pipeline from a YAML file; arguments override the file's values."""
+    path = Path(path)
+    spec = read_pipeline_file(path)
+    name = spec.name or path.stem.replace(".", "_")
+    pipeline = Pipeline(
+        run_id=run_id or spec.run_id,
+        bus=bus,
+        name=name,
+        nats_url=nats_url or spec.nats,
+        run_dir=run_dir,
+        stream_max_msgs=spec.stream_max_msgs,
+        drain_timeout=spec.drain_timeout_s,
+    )
+    for i, entry in enumerate(spec.stages):
+        where = f"stages[{i}]"
+        retry = RetryPolicy(**entry.retry.model_dump()) if entry.retry else None
+        try:
+            stage = build_stage(
+                entry.type,
+                name=entry.name,
+                concurrency=entry.concurrency,
+                retry=retry,
+                config=entry.config,
+            )
+            pipeline.add(stage, replicas=entry.replicas)
+        except UnknownStageType as exc:
+            raise PipelineConfigError(f"{path}: {where}.type: {exc}") from exc
+        except ValidationError as exc:
+            raise PipelineConfigError(_errors(path, f"{where}.config", exc)) from exc
+        except (StageError, TypeError) as exc:
+            raise PipelineConfigError(f"{path}: {where}: {exc}") from exc
+    return pipeline

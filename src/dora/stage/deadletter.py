@@ -1,0 +1,69 @@
+"""Turning a message a stage cannot use into a ``DeadLetter`` that keeps it and says why."""
+
+from __future__ import annotations
+
+import base64
+
+from pydantic import ValidationError
+
+from dora.bus import Bus, Message
+from dora.events import DeadLetter
+from dora.stage.base import derived_id
+
+INLINE_PAYLOAD_MAX = 256 * 1024
+"""Payloads above this go to the blob store; the dead letter keeps a prefix and the blob name."""
+REASON_MAX = 4000
+MAX_ERRORS_LISTED = 8
+
+
+def validation_reason(model: type, exc: ValidationError) -> str:
+    """``invalid Prompt: prompt_id: String should have at most 256 characters; ...``.
+
+    Inputs are left out of the reason: they may be huge, and the payload is kept anyway.
+    """
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    parts = [
+        f"{'.'.join(str(p) for p in err['loc']) or '<payload>'}: {err['msg']}"
+        for err in errors[:MAX_ERRORS_LISTED]
+    ]
+    more = len(errors) - MAX_ERRORS_LISTED
+    if more > 0:
+        parts.append(f"(and {more} more errors)")
+    return f"invalid {model.__name__}: " + "; ".join(parts)
+
+
+def _encode(data: bytes) -> tuple[str, str]:
+    try:
+        return data.decode("utf-8"), "utf-8"
+    except UnicodeDecodeError:
+        return base64.b64encode(data).decode("ascii"), "base64"
+
+
+async def build_dead_letter(bus: Bus, msg: Message, stage: str, reason: str) -> DeadLetter:
+    """A DeadLetter for ``msg`` whose id depends only on the message, so re-sending dedupes."""
+    data = msg.data
+    event_id = derived_id("deadletter", stage, msg.subject, msg.stream_seq, msg.msg_id or "")
+    if len(data) > INLINE_PAYLOAD_MAX:
+        blob = f"deadletter-{stage}-{event_id}"
+        try:
+            await bus.put_blob(blob, data)
+            where = f"stored as blob {blob!r}"
+        except Exception as exc:  # the dead letter itself must still go out
+            where = f"NOT stored ({type(exc).__name__}: {exc})"
+        reason = (
+            f"{reason} [payload of {len(data)} bytes {where}; "
+            f"the first {INLINE_PAYLOAD_MAX} bytes are kept here]"
+        )
+        data = data[:INLINE_PAYLOAD_MAX]
+    payload, encoding = _encode(data)
+    if len(reason) > REASON_MAX:
+        reason = reason[: REASON_MAX - 20] + " ...(truncated)"
+    return DeadLetter(
+        event_id=event_id,
+        subject=msg.subject,
+        payload=payload,
+        payload_encoding=encoding,  # type: ignore[arg-type]
+        reason=reason,
+        stage=stage,
+        deliveries=msg.num_delivered,
+    )
