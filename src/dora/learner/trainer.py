@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -272,7 +273,9 @@ class Trainer:
             metrics["grad/norm"] = 0.0
             log.warning("no_trainable_samples", step=step, groups=len(groups))
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        self.scheduler.step()
+        with warnings.catch_warnings():  # the schedule follows learner steps, even skipped ones
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
         metrics.update(acc.result())

@@ -1,0 +1,178 @@
+"""The optimisation step on the tiny model (2 layers, CPU, seconds)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dora.learner.batching import Group, GroupBuffer
+from dora.learner.grpo import GRPOConfig
+from dora.learner.synthetic import behaviour_logprobs, make_scored, score_completions
+from dora.learner.trainer import OptimConfig, Trainer, lr_factor
+from dora.models import build_model
+
+
+@pytest.fixture(autouse=True)
+def _threads() -> None:
+    torch.set_num_threads(1)
+
+
+def tiny(seed: int = 0):
+    return build_model(
+        "tiny", seed=seed, num_hidden_layers=2, hidden_size=64, intermediate_size=128, head_dim=16
+    )
+
+
+def as_groups(samples_by_group: list[list]) -> list[Group]:
+    buf = GroupBuffer(staleness_bound=10)
+    for samples in samples_by_group:
+        for s in samples:
+            buf.add(s, step=0)
+    return list(buf.ready.values())
+
+
+def prob_of(model, prompt: list[int], token: int) -> float:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]))[0, -1]
+    return float(torch.softmax(logits.float(), -1)[token])
+
+
+def test_rewarded_first_token_becomes_more_likely() -> None:
+    model, tok = tiny()
+    prompt = tok.encode("q:", add_bos=True)
+    a, b = tok.encode("a")[0], tok.encode("b")[0]
+    tail = tok.encode("xy")
+    trainer = Trainer(model, GRPOConfig(), OptimConfig(lr=3e-3))
+    before = prob_of(model, prompt, a)
+    for step in range(4):
+        completions = [[a, *tail], [b, *tail]] * 2
+        rewards = [1.0, 0.0] * 2
+        group = score_completions(
+            model, group_id=f"g{step}", prompt_ids=prompt, completions=completions, rewards=rewards
+        )
+        metrics = trainer.step(as_groups([group]), step=step)
+        assert metrics["groups/skipped_all_equal"] == 0.0
+        assert metrics["is/mean"] == pytest.approx(1.0, abs=1e-4)  # on-policy data
+    after = prob_of(model, prompt, a)
+    assert after > 2 * before
+    assert prob_of(model, prompt, b) < prob_of(model, prompt, a)
+
+
+STEP_KEYS = (
+    "reward/mean",
+    "reward/correct_frac",
+    "loss/pg",
+    "grad/norm",
+    "staleness/mean",
+    "staleness/max",
+    "lengths/mean",
+    "throughput/tokens_per_s",
+    "entropy/mean",
+    "clip/frac_low",
+    "clip/frac_high",
+    "is/mean",
+    "is/truncated_frac",
+    "lr",
+)
+
+
+def test_step_metrics() -> None:
+    model, tok = tiny()
+    prompt = tok.encode("q:", add_bos=True)
+    groups = [
+        make_scored(
+            group_id="g",
+            group_index=i,
+            group_size=2,
+            version=1,
+            reward=float(i),
+            prompt_ids=prompt,
+            completion_ids=[5 + i] * (i + 2),
+        )
+        for i in range(2)
+    ]
+    flat = [make_scored(group_id="f", group_index=i, group_size=2, reward=1.0) for i in range(2)]
+    trainer = Trainer(model)
+    m = trainer.step(as_groups([groups, flat]), step=3)
+    for key in STEP_KEYS:
+        assert key in m and math.isfinite(m[key]), key
+    assert m["groups/skipped_all_equal"] == 1.0
+    assert m["groups/trained"] == 1.0
+    assert m["reward/mean"] == pytest.approx(0.75)
+    assert m["reward/correct_frac"] == pytest.approx(0.75)
+    assert m["staleness/max"] == 3.0  # version 0 group at step 3
+    assert m["staleness/mean"] == pytest.approx(2.5)
+    assert m["lengths/mean"] == pytest.approx((2 + 3 + 2 + 2) / 4)
+
+
+def test_all_groups_equal_skips_the_update_but_counts() -> None:
+    model, _ = tiny()
+    before = [p.detach().clone() for p in model.parameters()]
+    flat = [make_scored(group_id="f", group_index=i, group_size=2, reward=0.0) for i in range(2)]
+    m = Trainer(model, optim=OptimConfig(lr=1e-2)).step(as_groups([flat]))
+    assert m["groups/skipped_all_equal"] == 1.0
+    assert all(torch.equal(x, y) for x, y in zip(before, model.parameters(), strict=True))
+
+
+def test_gradient_accumulation_matches_one_microbatch() -> None:
+    results = []
+    for budget in (10_000, 6):  # one micro-batch vs one row per micro-batch
+        model, tok = tiny(seed=3)
+        prompt = tok.encode("ab", add_bos=True)
+        comps = [[7], [8, 9, 10], [11, 12], [13]]
+        group = score_completions(
+            model, group_id="g", prompt_ids=prompt, completions=comps, rewards=[1, 0, 0.5, 0]
+        )
+        trainer = Trainer(model, optim=OptimConfig(lr=1e-2, max_tokens_per_microbatch=budget))
+        grads: list[torch.Tensor] = []
+
+        def record(opt: torch.optim.Optimizer, *_: object, grads: list = grads) -> None:
+            grads.extend(p.grad.clone() for g in opt.param_groups for p in g["params"])
+
+        trainer.optimizer.register_step_pre_hook(record)
+        m = trainer.step(as_groups([group]))
+        results.append((m, grads))
+    (m1, g1), (m2, g2) = results
+    assert m1["loss/pg"] == pytest.approx(m2["loss/pg"], abs=1e-6)
+    assert m1["grad/norm"] == pytest.approx(m2["grad/norm"], rel=1e-4)
+    assert len(g1) == len(g2) > 0
+    assert all(torch.allclose(x, y, atol=1e-6, rtol=1e-4) for x, y in zip(g1, g2, strict=True))
+
+
+def test_behaviour_logprobs_match_learner_logprobs_with_padding() -> None:
+    model, tok = tiny()
+    prompt = tok.encode("hi", add_bos=True)
+    comps = [[5, 6, 7], [8]]
+    group = score_completions(
+        model, group_id="g", prompt_ids=prompt, completions=comps, rewards=[1.0, 0.0]
+    )
+    m = Trainer(model).step(as_groups([group]))
+    assert m["is/mean"] == pytest.approx(1.0, abs=1e-4)
+    assert m["ratio/mean"] == pytest.approx(1.0, abs=1e-6)
+    assert behaviour_logprobs(model, prompt, [8])[0] < 0
+
+
+def test_lr_schedules() -> None:
+    const = OptimConfig(schedule="constant", warmup_steps=5)
+    assert lr_factor(const, 0) == 1.0
+    warm = OptimConfig(schedule="warmup", warmup_steps=4)
+    assert [lr_factor(warm, s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cos = OptimConfig(schedule="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
+    assert lr_factor(cos, 0) == 0.5
+    assert lr_factor(cos, 2) == pytest.approx(1.0)
+    assert lr_factor(cos, 4) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_factor(cos, 6) == pytest.approx(0.1)
+    assert lr_factor(cos, 100) == pytest.approx(0.1)
+
+
+def test_kl_needs_a_reference_model() -> None:
+    model, _ = tiny()
+    with pytest.raises(ValueError, match="ref_model"):
+        Trainer(model, GRPOConfig(kl_coef=0.1))
+    ref, _ = tiny()
+    trainer = Trainer(model, GRPOConfig(kl_coef=0.1), ref_model=ref)
+    group = [make_scored(group_id="g", group_index=i, group_size=2, reward=i) for i in range(2)]
+    m = trainer.step(as_groups([group]))
+    assert m["loss/kl"] == pytest.approx(0.0, abs=1e-9)  # same weights before the step
