@@ -83,7 +83,7 @@ def _print_summary(console: Console, summary: dict[str, Any], path: Path) -> Non
         table.add_column(column)
     for name, info in summary["stages"].items():
         stats = info["stats"]
-        results = ", ".join(
+        results = "\n".join(
             f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
             for k, v in info.items()
             if k not in ("stats", "replicas")
