@@ -128,21 +128,29 @@ class Generator:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{config.engine_id}")
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
+        self._room = asyncio.Event()
+        self.ready = asyncio.Event()
+        """Set once the generator answers control commands."""
         self._log = log.bind(engine=config.engine_id)
 
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self) -> None:
-        """Serve until stopped; in-flight requests are naked (redelivered) on the way out."""
+        """Serve until stopped; in-flight requests are naked (redelivered) on the way out.
+
+        Two loops share the engine: one pulls requests while there is room, one steps the
+        engine; every engine call is serialized on the engine's thread.
+        """
         control = await self.bus.serve(self.subjects.control(self.config.engine_id), self._control)
+        self.ready.set()
         tasks = [
             asyncio.create_task(self._report_status()),
             asyncio.create_task(self._heartbeat()),
+            asyncio.create_task(self._pull_loop()),
         ]
         try:
             while not self._stop.is_set():
                 await self._maybe_load_weights()
-                await self._pull()
                 if await self._call(self.engine.has_work):
                     await self._step()
                 else:
@@ -153,6 +161,8 @@ class Generator:
             await asyncio.gather(*tasks, return_exceptions=True)
             await control.unsubscribe()
             await self._release_all()
+            for consumer in self._consumers.values():
+                await consumer.close()
             self._pool.shutdown(wait=True)
 
     def stop(self) -> None:
@@ -190,6 +200,7 @@ class Generator:
         await self._call(self.engine.load_weights, target, weights)
         self.stats.weight_loads.append((target, time.time()))
         self.state = "draining" if self.draining else "serving"
+        self._room.set()
         self._log.info("weights_loaded", version=target, seconds=time.monotonic() - started)
 
     # ------------------------------------------------------------------ pulling
@@ -206,18 +217,20 @@ class Generator:
             self._consumers[version] = await self.bus.consumer(spec)
         return self._consumers[version]
 
-    async def _pull(self) -> None:
-        version = self.assigned
-        if version is None or self.draining or self.engine.version != version:
-            return
-        room = self.config.max_running - len(self._held)
-        if room <= 0:
-            return
-        busy = await self._call(self.engine.has_work)
-        consumer = await self._consumer(version)
-        timeout = 0.01 if busy else self.config.fetch_timeout_s
-        for msg in await consumer.fetch(batch=room, timeout=timeout):
-            await self._admit(msg, version)
+    async def _pull_loop(self) -> None:
+        while True:
+            version = self.assigned
+            room = self.config.max_running - len(self._held)
+            if version is None or self.draining or self.engine.version != version or room <= 0:
+                await self._room.wait()
+                self._room.clear()
+                continue
+            consumer = await self._consumer(version)
+            msgs = await consumer.fetch(batch=room, timeout=self.config.fetch_timeout_s)
+            for msg in msgs:
+                await self._admit(msg, version)
+            if msgs:
+                self._wake.set()
 
     async def _admit(self, msg: Message, version: int) -> None:
         try:
@@ -260,6 +273,7 @@ class Generator:
         if held is not None:
             await held.lease.ack()
         self.stats.finished += 1
+        self._room.set()
 
     async def _heartbeat(self) -> None:
         while True:
@@ -298,6 +312,7 @@ class Generator:
             self._log.exception("control_failed")
             reply = ControlReply(ok=False, error=f"{type(exc).__name__}: {exc}")
         self._wake.set()
+        self._room.set()
         return reply.model_dump_json().encode()
 
     async def _apply(self, command: Any) -> ControlReply:
@@ -334,6 +349,8 @@ class Generator:
         previous = self.assigned
         self.assigned = version
         self.draining = False
+        if self.engine.version == version:
+            self.state = "serving"
         if self.config.mode == "partial" and previous is not None and previous != version:
             await self._resubmit_partial(version)
         self._log.info("assigned", version=version, previous=previous)
