@@ -141,6 +141,8 @@ class StageRunner:
             try:
                 msgs = await consumer.fetch(batch=free, timeout=self.fetch_timeout)
                 failures = 0
+            except TimeoutError:  # some clients raise instead of returning nothing
+                continue
             except Exception as exc:  # a reconnecting bus: keep trying, loudly
                 failures += 1
                 self.ctx.log.warning("fetch failed", error=repr(exc), failures=failures)
