@@ -89,6 +89,7 @@ class TimingCore:
         if self.max_seqs < 1:
             raise ValueError(f"max_seqs must be >= 1, got {self.max_seqs}")
         self.admit_cap = int(self.capacity * admit_fraction)
+        self._a, self._b, self._c = cost.a, cost.b, cost.c
         self.strict_versions = strict_versions  # False: partial rollout mixes versions
         self.version: int | None = None
         self._blocked = False  # after a preemption, admit nothing until something leaves
@@ -160,7 +161,9 @@ class TimingCore:
             k_fin = self._top_end() - self.steps
             k_cap = (self.capacity - self.context - self.held) // n
             k = max(min(k_fin, k_cap), 0)
-            t = min(t, self.clock + self.cost.steps_time(k, n, self.context))
+            c = self._c
+            dt = k * (self._a + self._b * n + c * self.context) + c * n * k * (k - 1) * 0.5
+            t = min(t, self.clock + dt)
         return t
 
     # ------------------------------------------------------------------ commands
@@ -176,8 +179,9 @@ class TimingCore:
         if req.context == 0 and req.generated == 0:
             req.context = req.spec.prompt_len
             req.prefill = req.spec.prompt_len
-        req.engines.append(self.engine_id)
-        self._push_waiting(req, front=False)
+        if not req.engines or req.engines[-1] != self.engine_id:
+            req.engines.append(self.engine_id)
+        self._push_waiting(req, front=bool(req.generated))
 
     def import_request(self, req: SimRequest, now: float) -> None:
         """Take a migrated request whose KV (``req.context`` tokens) arrives with it."""
@@ -268,7 +272,11 @@ class TimingCore:
                 k_fin = self._top_end() - self.steps
                 k_cap = (self.capacity - self.context - self.held) // n
                 k_evt = min(k_fin, k_cap)
-                t_evt = self.clock + cost.steps_time(k_evt, n, self.context)
+                c = self._c
+                t_evt = self.clock + (
+                    k_evt * (self._a + self._b * n + c * self.context)
+                    + c * n * k_evt * (k_evt - 1) * 0.5
+                )
             t_wake = self._tools[0][0] if self._tools else INF
             target = min(t_evt, t_wake, t)
             if target == INF:
@@ -298,7 +306,8 @@ class TimingCore:
 
     # ------------------------------------------------------------------ internals
     def _advance(self, k: int, n: int) -> None:
-        dt = self.cost.steps_time(k, n, self.context)
+        c = self._c
+        dt = k * (self._a + self._b * n + c * self.context) + c * n * k * (k - 1) * 0.5
         self.clock += dt
         self.busy_s += dt
         self.decode_s += dt

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 H200_HBM_BYTES = 141e9
 """H200 SXM: 141 GB HBM3e (NVIDIA datasheet; MLCommons inference v4.1 system description
@@ -59,16 +60,16 @@ class CostModel:
     migration_fixed_s: float = 0.005  # per request: handshake and block-table setup
 
     # ---------------------------------------------------------------- sizes
-    @property
+    @cached_property
     def weight_bytes(self) -> float:
         return self.params * self.dtype_bytes
 
-    @property
+    @cached_property
     def kv_bytes_per_token(self) -> int:
         """K and V, every layer, every KV head: 2 * layers * kv_heads * head_dim * bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
-    @property
+    @cached_property
     def kv_capacity_tokens(self) -> int:
         """KV tokens that fit next to the weights (what limits concurrency)."""
         free = (
@@ -81,17 +82,17 @@ class CostModel:
         return int(free // self.kv_bytes_per_token)
 
     # ---------------------------------------------------------------- decode
-    @property
+    @cached_property
     def a(self) -> float:
         """Seconds per step independent of the batch: overhead + streaming the weights."""
         return self.step_overhead_s + self.weight_bytes / (self.hbm_bw * self.bw_efficiency)
 
-    @property
+    @cached_property
     def b(self) -> float:
         """Seconds per step per running sequence (2 * params FLOPs each)."""
         return 2.0 * self.params / (self.peak_flops * self.decode_mfu)
 
-    @property
+    @cached_property
     def c(self) -> float:
         """Seconds per step per KV token held by the running sequences."""
         return self.kv_bytes_per_token / (self.hbm_bw * self.bw_efficiency)

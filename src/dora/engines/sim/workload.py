@@ -82,6 +82,11 @@ class Workload:
             )
         )
         z_prompt = rng.standard_normal()
+        if not self.multi_turn:  # vectorized: the simulator draws millions of these
+            logs = math.log(self.response_median) + self.sigma_prompt * z_prompt
+            lengths = np.exp(logs + self.sigma_sample * rng.standard_normal(size))
+            lengths = np.clip(np.rint(lengths), self.min_tokens, self.max_tokens).astype(int)
+            return [RequestSpec(prompt, (int(n),)) for n in lengths]
         return [self._sample(rng, prompt, z_prompt) for _ in range(size)]
 
     def request(self, seed: int, prompt_key: int, sample_seed: int) -> RequestSpec:

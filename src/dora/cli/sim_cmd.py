@@ -1,0 +1,81 @@
+"""``dora sim``: the rollout modes side by side on a simulated fleet (virtual time)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{name}: expected comma-separated integers, got {text!r}")
+    if not values or any(v < 1 for v in values):
+        raise typer.BadParameter(f"{name}: expected positive integers, got {text!r}")
+    return values
+
+
+def cli(
+    engines: str = typer.Option("64,128,1024", help="Fleet sizes, comma-separated."),
+    modes: str = typer.Option("all", help="Modes, comma-separated, or 'all'."),
+    steps: int = typer.Option(20, min=1, help="Learner steps per run."),
+    preset: str = typer.Option("dense-32b", help="Cost preset (dense-7b, dense-32b)."),
+    workload: str = typer.Option("dapo-16k", help="Workload (dapo-16k, dapo-32k, agentic)."),
+    batch_groups: int = typer.Option(512, min=1, help="B: groups per learner step."),
+    group_size: int = typer.Option(16, min=1, help="G: samples per group."),
+    staleness: int = typer.Option(1, min=0, help="K: staleness bound."),
+    trainer_gpus: int = typer.Option(0, min=0, help="Trainer GPUs (0: as many as engines)."),
+    plan_tick: float = typer.Option(5.0, min=0.001, help="Seconds between plan calls (dora)."),
+    seed: int = typer.Option(0, min=0, help="Seed of prompts and lengths."),
+    json_out: Path = typer.Option(Path("runs/sim/sim.json"), "--json", help="JSON output."),
+    png_out: Path | None = typer.Option(None, "--png", help="PNG (default: next to JSON)."),
+) -> None:
+    """Simulate sync / one_step_off / partial / dora / dora_noreuse and compare them."""
+    from rich.console import Console
+
+    from dora.engines.sim import cost_preset, workload_preset
+    from dora.sim import MODES, SimConfig, simulate
+    from dora.sim.report import print_table, save_json, save_png
+
+    sizes = _ints(engines, "engines")
+    chosen = list(MODES) if modes == "all" else [m.strip() for m in modes.split(",") if m]
+    for m in chosen:
+        if m not in MODES:
+            raise typer.BadParameter(f"modes: unknown mode {m!r}; known: {list(MODES)}")
+    try:
+        base = SimConfig(
+            steps=steps,
+            cost=cost_preset(preset),
+            workload=workload_preset(workload),
+            batch_groups=batch_groups,
+            group_size=group_size,
+            staleness=staleness,
+            trainer_gpus=trainer_gpus or None,
+            plan_tick_s=plan_tick,
+            seed=seed,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    console = Console()
+    results = []
+    t0 = time.perf_counter()
+    from dataclasses import replace
+
+    for n in sizes:
+        for m in chosen:
+            r = simulate(replace(base, engines=n, mode=m))  # type: ignore[arg-type]
+            console.log(
+                f"{n:>6} engines {m:<13} {r.tokens_per_s:>10,.0f} tok/s  "
+                f"(simulated in {r.sim_seconds:.1f} s)"
+            )
+            results.append(r)
+    wall = time.perf_counter() - t0
+    print_table(base, results, console)
+    console.print(f"wall time {wall:.1f} s")
+    save_json(json_out, base, results, wall)
+    png = png_out or json_out.with_suffix(".png")
+    save_png(png, results)
+    console.print(f"saved {json_out} and {png}")

@@ -1,0 +1,74 @@
+"""What one simulated run is: fleet, mode, batch, staleness bound, cost and workload models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dora.engines.sim.cost import DENSE_32B, CostModel
+from dora.engines.sim.workload import DAPO_16K, Workload
+
+Mode = Literal["sync", "one_step_off", "partial", "dora", "dora_noreuse"]
+MODES: tuple[Mode, ...] = ("sync", "one_step_off", "partial", "dora", "dora_noreuse")
+
+
+@dataclass(frozen=True)
+class TrainerCost:
+    """The learner stand-in: a separate pool of trainer GPUs running GRPO steps.
+
+    Assumption (stated, not measured): training costs ``flops_per_param_token`` (6: forward +
+    backward) FLOPs per parameter per token of prompt + completion, at ``mfu`` of the
+    trainer GPUs' peak, plus a fixed ``step_overhead_s`` (optimizer step, publishing weights).
+    Trainer GPUs are disjoint from the rollout engines (a disaggregated layout, so async modes
+    can overlap training with rollout; sync pays both in series on the same hardware budget).
+    """
+
+    gpus: int
+    peak_flops: float = 989.4e12
+    mfu: float = 0.40
+    flops_per_param_token: float = 6.0
+    step_overhead_s: float = 5.0
+
+    def step_time(self, tokens: int, params: float) -> float:
+        flops = self.flops_per_param_token * params * tokens
+        return self.step_overhead_s + flops / (self.gpus * self.peak_flops * self.mfu)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated run. ``trainer_gpus=None`` means as many trainer GPUs as engines."""
+
+    engines: int = 64
+    mode: Mode = "dora"
+    steps: int = 20
+    batch_groups: int = 512  # B: GRPO groups (prompts) per learner step (DAPO: 512)
+    group_size: int = 16  # G: samples per prompt (DAPO: 16)
+    staleness: int = 1  # K: a group of version u is trained at step <= u + K
+    seed: int = 0
+    cost: CostModel = DENSE_32B
+    workload: Workload = DAPO_16K
+    trainer_gpus: int | None = None
+    trainer: TrainerCost | None = field(default=None)
+    max_seqs: int | None = None  # per engine; None: tuned to the KV capacity (see fleet)
+    plan_tick_s: float = 5.0  # dora: how often the orchestrator's plan runs (virtual s)
+    migration_bw: float | None = None  # bytes/s; None: the cost model's
+
+    def __post_init__(self) -> None:
+        if self.engines < 1:
+            raise ValueError(f"engines must be >= 1, got {self.engines}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode: unknown {self.mode!r}; known: {list(MODES)}")
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.batch_groups < 1 or self.group_size < 1:
+            raise ValueError("batch_groups and group_size must be >= 1")
+        if self.staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {self.staleness}")
+        if self.plan_tick_s <= 0:
+            raise ValueError(f"plan_tick_s must be > 0, got {self.plan_tick_s}")
+
+    @property
+    def learner(self) -> TrainerCost:
+        if self.trainer is not None:
+            return self.trainer
+        return TrainerCost(gpus=self.trainer_gpus or self.engines)

@@ -1,0 +1,258 @@
+"""dora mode: multi-version streaming, driven by the live orchestrator's ``plan``.
+
+Groups are tagged with the newest version as the staleness window admits them; engines serve
+one version each; every ``plan_tick_s`` (and whenever a version is published) the simulator
+builds the same ``ClusterState`` the live service builds from ``EngineStatus`` events, calls
+``dora.rollout.orchestrator.plan`` and applies its actions with the live semantics:
+
+- ``AssignEngine``: stop pulling other versions, finish the loaded version's requests, load
+  the new weights when empty, then pull the new version's queue;
+- ``DrainEngine``: stop pulling;
+- ``MigrateRequests``: export, move the KV (``kv_bytes / migration_bw``, transfers from one
+  source in series), import on the target: no re-prefill. ``dora_noreuse`` replaces the KV
+  transfer by a re-prefill of prompt + generated on the target (the ablation);
+- ``PrioritizeRequests``: raise the requests' priority in the engine's queue.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+
+from dora.engines.sim.core import SimRequest
+from dora.rollout import orchestrator
+from dora.rollout.actions import AssignEngine, DrainEngine, MigrateRequests, PrioritizeRequests
+from dora.rollout.estimates import LengthRecorder
+from dora.rollout.state import ClusterState, EngineView, RequestView
+from dora.sim.baselines import Driver, StalenessWindow
+from dora.sim.fleet import Group
+
+log = structlog.get_logger(__name__)
+
+BLOCK = 16
+
+
+class DoraDriver(Driver):
+    """Streaming multi-version rollout with KV migration (or re-prefill, for the ablation)."""
+
+    def __init__(self, cfg: Any, plan_config: Any = None) -> None:
+        super().__init__(cfg)
+        self.reuse_kv = cfg.mode != "dora_noreuse"
+        self.plan_config = plan_config if plan_config is not None else orchestrator.PlanConfig()
+        n = cfg.engines
+        self.assigned: list[int | None] = [0] * n
+        self.draining = [False] * n
+        self.loading_until = [0.0] * n
+        self.assigned_at: list[float | None] = [None] * n
+        self.last_migrated: dict[int, float] = {}
+        self.lengths = LengthRecorder()
+        self.migration_fallbacks = 0
+        self.actions: dict[str, int] = {}
+        bw = cfg.migration_bw
+        self.migration_bw = bw if bw is not None else cfg.cost.migration_bw
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self.window = StalenessWindow(self.cfg.batch_groups, self.cfg.staleness)
+        for e, core in enumerate(self.fleet.cores):
+            core.version = 0
+            self.fleet.hungry[0].add(e)
+        self.top_up()
+        self.tick()
+
+    def top_up(self) -> None:
+        fleet = self.fleet
+        n = self.window.admit(self.step)
+        for _ in range(n):
+            self.window.dispatched_group(fleet.dispatch_group(self.step))
+        if n:
+            fleet.feed(self.step)
+
+    def tick(self) -> None:
+        if self.fleet.stopped:
+            return
+        self.replan()
+        self.fleet.at(self.fleet.now + self.cfg.plan_tick_s, self.tick)
+
+    def on_group_done(self, group: Group) -> None:
+        for req in group.requests:
+            self.lengths.add(req.completion_tokens)
+        self.window.finished_group(group)
+        self.try_train()
+
+    def try_train(self) -> None:
+        if self.trainer_busy:
+            return
+        batch = self.window.select(self.step)
+        if batch is not None:
+            self.train(batch)
+
+    def after_train(self, step: int) -> None:
+        self.top_up()
+        self.replan()
+        self.try_train()
+
+    def on_engine_event(self, e: int) -> None:
+        core = self.fleet.cores[e]
+        if self.pulls(e):
+            self.fleet.fill(e)
+        elif not core.has_work():
+            self.maybe_load(e)
+
+    # ------------------------------------------------------------------ engine state
+    def pulls(self, e: int) -> bool:
+        core = self.fleet.cores[e]
+        return (
+            not self.draining[e]
+            and self.assigned[e] is not None
+            and self.assigned[e] == core.version
+        )
+
+    def maybe_load(self, e: int) -> None:
+        """An empty engine whose assignment differs from its weights loads the new ones."""
+        core = self.fleet.cores[e]
+        target = self.assigned[e]
+        if target is None or self.draining[e] or core.has_work() or core.version == target:
+            return
+        self.fleet.touch(e)
+        self.loading_until[e] = core.load_weights(target, self.fleet.now)
+        self.fleet.fill(e)
+        self.fleet.schedule(e)
+
+    # ------------------------------------------------------------------ plan
+    def state(self) -> ClusterState:
+        fleet = self.fleet
+        now = fleet.now
+        views = []
+        for e, core in enumerate(fleet.cores):
+            if core.has_work():
+                fleet.touch(e)
+            reqs = tuple(
+                RequestView(
+                    request_id=str(r.rid),
+                    version=r.version,
+                    generated=r.generated,
+                    max_tokens=self.cfg.workload.max_tokens,
+                    kv_blocks=-(-r.context // BLOCK),
+                    priority=r.priority,
+                    dispatched_at=r.dispatched_at,
+                    last_migrated_at=self.last_migrated.get(r.rid),
+                )
+                for r in core.requests()
+            )
+            if self.loading_until[e] > now:
+                state = "loading"
+            elif self.draining[e] or (core.version != self.assigned[e] and core.has_work()):
+                state = "draining"
+            elif core.version is None or self.assigned[e] is None:
+                state = "idle"
+            else:
+                state = "serving"
+            n = core.num_running
+            views.append(
+                EngineView(
+                    engine_id=str(e),
+                    state=state,
+                    version=core.version,
+                    assigned_version=self.assigned[e],
+                    kv_blocks_total=core.capacity // BLOCK,
+                    kv_blocks_used=-(-core.kv_used() // BLOCK),
+                    block_size=BLOCK,
+                    max_running=core.max_seqs,
+                    tokens_per_s=n / core.cost.step_time(n, core.context) if n else 0.0,
+                    waiting=core.num_waiting,
+                    requests=reqs,
+                    assigned_at=self.assigned_at[e],
+                )
+            )
+        return ClusterState(
+            now=now,
+            engines=tuple(views),
+            queue_depths={v: len(q) for v, q in fleet.queues.items() if q},
+            newest_version=self.step,
+            learner_step=self.step,
+            staleness_bound=self.cfg.staleness,
+            lengths=self.lengths.model(),
+        )
+
+    def replan(self) -> None:
+        self.plan_calls += 1
+        for action in orchestrator.plan(self.state(), self.plan_config):
+            name = type(action).__name__
+            self.actions[name] = self.actions.get(name, 0) + 1
+            if isinstance(action, AssignEngine):
+                self.assign(int(action.engine_id), action.version)
+            elif isinstance(action, DrainEngine):
+                self.drain(int(action.engine_id))
+            elif isinstance(action, MigrateRequests):
+                self.migrate(int(action.source), int(action.target), action.request_ids)
+            elif isinstance(action, PrioritizeRequests):
+                self.prioritize(int(action.engine_id), action.request_ids, action.priority)
+            else:  # pragma: no cover - a new action type the simulator does not know
+                raise TypeError(f"plan returned an unknown action {action!r}")
+
+    # ------------------------------------------------------------------ actions
+    def assign(self, e: int, version: int) -> None:
+        fleet = self.fleet
+        core = fleet.cores[e]
+        if core.version is not None:
+            fleet.hungry[core.version].discard(e)
+        self.assigned[e] = version
+        self.assigned_at[e] = fleet.now
+        self.draining[e] = False
+        fleet.touch(e)
+        if core.version == version:
+            fleet.fill(e)
+            fleet.schedule(e)
+        else:
+            self.maybe_load(e)
+
+    def drain(self, e: int) -> None:
+        core = self.fleet.cores[e]
+        self.draining[e] = True
+        if core.version is not None:
+            self.fleet.hungry[core.version].discard(e)
+
+    def prioritize(self, e: int, rids: tuple[str, ...], priority: int) -> None:
+        fleet = self.fleet
+        fleet.touch(e)
+        for rid in rids:
+            fleet.cores[e].set_priority(int(rid), priority)
+        fleet.schedule(e)
+
+    def migrate(self, src: int, dst: int, rids: tuple[str, ...]) -> None:
+        fleet = self.fleet
+        source = fleet.cores[src]
+        fleet.touch(src)
+        delay = 0.0
+        for rid in rids:
+            req = source.remove(int(rid), keep_kv=self.reuse_kv)
+            req.migrations += 1
+            self.last_migrated[req.rid] = fleet.now
+            if self.reuse_kv:
+                delay += source.cost.migration_time(req.context, self.migration_bw)
+                req.migrated_bytes += source.cost.kv_bytes(req.context)
+            fleet.at(fleet.now + delay, lambda req=req: self.arrive(dst, req))
+        fleet.schedule(src)
+        if not source.has_work():
+            self.maybe_load(src)
+
+    def arrive(self, dst: int, req: SimRequest) -> None:
+        fleet = self.fleet
+        target = fleet.cores[dst]
+        fleet.touch(dst)
+        if target.version != req.version:
+            # the target changed version while the KV was in flight: re-prefill elsewhere
+            self.migration_fallbacks += 1
+            req.reprefilled += req.context
+            req.prefill = req.context
+            fleet.queues[req.version].appendleft(req)
+            fleet.feed(req.version)
+            return
+        if self.reuse_kv:
+            target.import_request(req, fleet.now)
+        else:
+            req.reprefilled += req.context
+            target.add(req)
+        fleet.schedule(dst)

@@ -1,0 +1,151 @@
+"""What a run measured, and the ideal bound it is compared with."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dora.sim.config import SimConfig
+from dora.sim.fleet import Fleet, Group
+
+
+@dataclass
+class StepRecord:
+    """One learner step: which groups it trained on and when."""
+
+    step: int
+    train_start: float
+    train_end: float
+    groups: int
+    completion_tokens: int
+    prompt_tokens: int
+    rollout_s: float  # first dispatch of this batch -> its last trajectory finishing
+    wait_s: float  # learner idle before this step (waiting for data)
+    staleness: list[int] = field(default_factory=list)
+    longest_tokens: int = 0
+    longest_prompt: int = 0
+
+
+@dataclass
+class SimResult:
+    """Per-run metrics (JSON-serializable through ``to_dict``)."""
+
+    mode: str
+    engines: int
+    steps: int
+    wall_s: float
+    tokens_per_s: float
+    step_s: float
+    rollout_s: float
+    wait_s: float
+    utilization: float
+    busy_fraction: float
+    migrations: int
+    migrated_gb: float
+    reprefilled_tokens: int
+    recomputed_tokens: int
+    staleness_mean: float
+    staleness_max: int
+    staleness_hist: dict[int, int]
+    ideal_step_s: float
+    ideal_rollout_s: float
+    train_s: float
+    dispatched: int
+    finished: int
+    consumed_groups: int
+    max_seqs: int
+    sim_seconds: float = 0.0
+    plan_calls: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def vs_ideal(self) -> float:
+        """How far the mean step is above the ideal step (0.10 = 10% slower)."""
+        return self.step_s / self.ideal_step_s - 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["vs_ideal"] = self.vs_ideal
+        d["staleness_hist"] = {str(k): v for k, v in self.staleness_hist.items()}
+        return d
+
+
+def ideal_rollout_time(cfg: SimConfig, fleet: Fleet, records: list[StepRecord]) -> float:
+    """Mean over steps of max(decode work / fleet capacity, longest trajectory alone)."""
+    cap = cfg.engines * cfg.cost.peak_throughput(fleet.stats.mean_context)
+    bounds = []
+    for r in records:
+        work = r.completion_tokens / cap
+        alone = cfg.cost.single_request_time(r.longest_prompt, r.longest_tokens)
+        bounds.append(max(work, alone))
+    return float(np.mean(bounds)) if bounds else 0.0
+
+
+def summarize(
+    cfg: SimConfig, fleet: Fleet, records: list[StepRecord], plan_calls: int = 0
+) -> SimResult:
+    """Reduce a finished run to its metrics."""
+    wall = records[-1].train_end if records else fleet.now
+    tokens = sum(r.completion_tokens for r in records)
+    decode = sum(c.decode_s for c in fleet.cores)
+    busy = sum(c.busy_s for c in fleet.cores)
+    stale = [s for r in records for s in r.staleness]
+    hist: dict[int, int] = {}
+    for s in stale:
+        hist[s] = hist.get(s, 0) + 1
+    reqs = list(fleet.requests.values())
+    params = cfg.cost.params
+    train = [cfg.learner.step_time(r.completion_tokens + r.prompt_tokens, params) for r in records]
+    ideal_roll = ideal_rollout_time(cfg, fleet, records)
+    mean_train = float(np.mean(train)) if train else 0.0
+    return SimResult(
+        mode=cfg.mode,
+        engines=cfg.engines,
+        steps=len(records),
+        wall_s=wall,
+        tokens_per_s=tokens / wall if wall > 0 else 0.0,
+        step_s=wall / max(len(records), 1),
+        rollout_s=float(np.mean([r.rollout_s for r in records])) if records else 0.0,
+        wait_s=float(np.mean([r.wait_s for r in records])) if records else 0.0,
+        utilization=decode / (cfg.engines * wall) if wall > 0 else 0.0,
+        busy_fraction=busy / (cfg.engines * wall) if wall > 0 else 0.0,
+        migrations=sum(r.migrations for r in reqs),
+        migrated_gb=sum(r.migrated_bytes for r in reqs) / 1e9,
+        reprefilled_tokens=sum(r.reprefilled for r in reqs),
+        recomputed_tokens=sum(r.recomputed for r in reqs),
+        staleness_mean=float(np.mean(stale)) if stale else 0.0,
+        staleness_max=max(stale) if stale else 0,
+        staleness_hist=dict(sorted(hist.items())),
+        ideal_step_s=max(ideal_roll, mean_train),
+        ideal_rollout_s=ideal_roll,
+        train_s=mean_train,
+        dispatched=len(reqs),
+        finished=sum(1 for r in reqs if r.done),
+        consumed_groups=sum(r.groups for r in records),
+        max_seqs=fleet.max_seqs,
+        plan_calls=plan_calls,
+    )
+
+
+def record_step(
+    step: int, groups: list[Group], train_start: float, train_end: float, wait_s: float
+) -> StepRecord:
+    """The record of a learner step over ``groups`` (marks them consumed)."""
+    longest = max((r for g in groups for r in g.requests), key=lambda r: r.completion_tokens)
+    for g in groups:
+        g.consumed_step = step
+    return StepRecord(
+        step=step,
+        train_start=train_start,
+        train_end=train_end,
+        groups=len(groups),
+        completion_tokens=sum(g.completion_tokens for g in groups),
+        prompt_tokens=sum(g.prompt_tokens for g in groups),
+        rollout_s=max(g.finished_at for g in groups) - min(g.dispatched_at for g in groups),
+        wait_s=wait_s,
+        staleness=[step - g.version for g in groups],
+        longest_tokens=longest.completion_tokens,
+        longest_prompt=longest.spec.prompt_len,
+    )

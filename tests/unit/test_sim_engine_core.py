@@ -1,0 +1,137 @@
+"""Timing core: jumping from event to event equals stepping token by token."""
+
+from __future__ import annotations
+
+import pytest
+
+from dora.engines.sim.core import SimRequest, TimingCore
+from dora.engines.sim.cost import DENSE_7B, DENSE_32B
+from dora.engines.sim.workload import AGENTIC, RequestSpec
+
+
+def _reqs(lengths: list[int], prompt: int = 100) -> list[SimRequest]:
+    return [SimRequest(i, 0, i, 0, RequestSpec(prompt, (n,))) for i, n in enumerate(lengths)]
+
+
+def _reference(lengths: list[int], prompt: int, max_seqs: int) -> dict[int, float]:
+    """Token-by-token stepping with the same scheduling rules (FIFO, prefill on admission)."""
+    cost = DENSE_32B
+    t = 0.0
+    waiting = list(range(len(lengths)))
+    running: dict[int, int] = {}  # rid -> generated
+    done: dict[int, float] = {}
+    while waiting or running:
+        while waiting and len(running) < max_seqs:
+            rid = waiting.pop(0)
+            t += cost.prefill_time(prompt)
+            running[rid] = 0
+        ctx = sum(prompt + g for g in running.values())
+        t += cost.step_time(len(running), ctx)
+        for rid in list(running):
+            running[rid] += 1
+            if running[rid] == lengths[rid]:
+                del running[rid]
+                done[rid] = t
+    return done
+
+
+@pytest.mark.parametrize("max_seqs", [64, 3])
+def test_event_driven_equals_stepping(max_seqs: int) -> None:
+    lengths = [5, 40, 17, 300, 1, 120, 77, 9]
+    core = TimingCore(DENSE_32B, max_seqs=max_seqs)
+    core.version = 0
+    reqs = _reqs(lengths)
+    for r in reqs:
+        core.add(r)
+    finished = core.run_until_idle()
+    want = _reference(lengths, 100, max_seqs)
+    assert sorted(r.rid for r in finished) == list(range(len(lengths)))
+    for r in finished:
+        assert r.finished_at == pytest.approx(want[r.rid], rel=1e-9)
+        assert r.generated == lengths[r.rid]
+    assert core.decoded_tokens == sum(lengths)
+
+
+def test_advancing_in_small_slices_changes_nothing() -> None:
+    lengths = [50, 400, 33, 1000]
+    a = TimingCore(DENSE_7B)
+    b = TimingCore(DENSE_7B)
+    a.version = b.version = 0
+    for r in _reqs(lengths):
+        a.add(r)
+    for r in _reqs(lengths):
+        b.add(r)
+    end_a = {r.rid: r.finished_at for r in a.run_until_idle()}
+    end_b: dict[int, float] = {}
+    t = 0.0
+    while b.has_work():
+        t = max(t, b.next_event_time())
+        for r in b.advance_to(t):
+            end_b[r.rid] = r.finished_at
+    assert end_a == pytest.approx(end_b)
+
+
+def test_export_import_keeps_remaining_length_without_prefill() -> None:
+    src, dst = TimingCore(DENSE_32B, 0), TimingCore(DENSE_32B, 1)
+    src.version = dst.version = 0
+    (req,) = _reqs([1000])
+    src.add(req)
+    src.advance_to(5.0)
+    moved = src.remove(req.rid, keep_kv=True)
+    assert 0 < moved.generated < 1000
+    remaining = moved.remaining
+    assert moved.context == 100 + moved.generated
+    assert not src.has_work() and src.context == 0
+    prefill_before = dst.prefill_s
+    dst.import_request(moved, 5.0)
+    (done,) = dst.run_until_idle()
+    assert done.generated == 1000 and dst.decoded_tokens == remaining
+    assert dst.prefill_s == prefill_before  # zero re-prefill
+    assert done.engines == [0, 1]
+
+
+def test_abort_then_resume_reprefills() -> None:
+    core = TimingCore(DENSE_32B)
+    core.version = 0
+    (req,) = _reqs([500])
+    core.add(req)
+    core.advance_to(3.0)
+    held = core.interrupt_all()
+    assert held == [req] and req.prefill == req.context == 100 + req.generated
+    p0, ctx = core.prefill_s, req.context
+    core.add(req)
+    (done,) = core.run_until_idle()
+    assert core.prefill_s - p0 == pytest.approx(DENSE_32B.prefill_time(ctx))
+    assert done.generated == 500
+
+
+def test_kv_full_preempts_and_still_finishes_everything() -> None:
+    small = DENSE_32B.with_overrides(hbm_bytes=70e9 / 0.9 + 4e9 / 0.9)  # ~19k KV tokens
+    core = TimingCore(small, max_seqs=32)
+    core.version = 0
+    lengths = [3000] * 12
+    for r in _reqs(lengths):
+        core.add(r)
+    finished = core.run_until_idle()
+    assert len(finished) == 12 and all(r.generated == 3000 for r in finished)
+    assert core.preemptions > 0 and sum(r.recomputed for r in finished) > 0
+    assert core.kv_used() == 0
+
+
+def test_multi_turn_waits_for_tools() -> None:
+    spec = next(s for g in range(50) for s in AGENTIC.group(0, g, 1) if len(s.segments) >= 3)
+    core = TimingCore(DENSE_7B)
+    core.version = 0
+    core.add(SimRequest(0, 0, 0, 0, spec))
+    (done,) = core.run_until_idle()
+    assert done.generated == spec.decode_tokens
+    assert done.completion_tokens == spec.total_tokens
+    assert done.finished_at > sum(spec.tool_latency)
+    assert core.kv_used() == 0
+
+
+def test_version_mismatch_is_refused() -> None:
+    core = TimingCore(DENSE_7B)
+    core.version = 1
+    with pytest.raises(ValueError, match="version"):
+        core.add(_reqs([10])[0])
