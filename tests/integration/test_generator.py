@@ -201,7 +201,7 @@ async def test_crashed_engine_requests_are_regenerated_once(
     await nats_bus.consumer(ConsumerSpec("audit", nats_bus.subjects.trajectories))
     crash_bus = NatsBus(subjects, nats_server.url)
     await crash_bus.connect()
-    doomed = generator(crash_bus, "doomed", ack_wait_s=1.0, heartbeat_interval_s=0.2)
+    doomed = generator(crash_bus, "doomed", heartbeat_interval_s=0.2, queue_ack_wait_s=1.0)
     doomed.engine.freeze_at = 3
     for i in range(6):
         await nats_bus.publish_event(nats_bus.subjects.requests(0), request(i, max_tokens=8))
@@ -211,7 +211,7 @@ async def test_crashed_engine_requests_are_regenerated_once(
     task.cancel()
     with contextlib.suppress(BaseException):
         await task
-    survivor = generator(bus2, "survivor", ack_wait_s=1.0)
+    survivor = generator(bus2, "survivor")
     async with running(survivor):
         got = await collect(nats_bus, 6)
     assert sorted(t.request.request_id for t in got) == [f"r{i}" for i in range(6)]

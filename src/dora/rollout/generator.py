@@ -49,6 +49,7 @@ from dora.events import (
     RolloutRequest,
     Trajectory,
 )
+from dora.subjects import Subjects
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -66,9 +67,26 @@ def trajectory_event_id(request_id: str) -> str:
     return f"traj-{request_id}"
 
 
-def consumer_name(version: int) -> str:
-    """The durable consumer every engine of one version shares (a work queue)."""
-    return f"gen-v{version}"
+QUEUE_ACK_WAIT_S = 30.0
+"""A held request whose engine stops heartbeating for this long is redelivered."""
+QUEUE_MAX_DELIVER = 10
+
+
+def request_queue_spec(
+    subjects: Subjects, version: int, ack_wait_s: float = QUEUE_ACK_WAIT_S
+) -> ConsumerSpec:
+    """The durable consumer every engine of one version shares (a work queue).
+
+    One definition for engines and the orchestrator (which reads its depth): JetStream
+    refuses a second, different consumer on a work-queue subject.
+    """
+    return ConsumerSpec(
+        f"gen-v{version}",
+        subjects.requests(version),
+        max_ack_pending=100_000,
+        max_deliver=QUEUE_MAX_DELIVER,
+        ack_wait_s=ack_wait_s,
+    )
 
 
 @dataclass
@@ -81,8 +99,8 @@ class GeneratorConfig:
     fetch_timeout_s: float = 0.5
     status_interval_s: float = 0.5
     heartbeat_interval_s: float = 5.0
-    ack_wait_s: float = 30.0
-    max_deliver: int = 10
+    queue_ack_wait_s: float = QUEUE_ACK_WAIT_S
+    """Used when this generator is the first to create its version's queue consumer."""
     initial_version: int | None = None
 
 
@@ -207,13 +225,7 @@ class Generator:
 
     async def _consumer(self, version: int) -> Any:
         if version not in self._consumers:
-            spec = ConsumerSpec(
-                consumer_name(version),
-                self.subjects.requests(version),
-                max_ack_pending=100_000,
-                max_deliver=self.config.max_deliver,
-                ack_wait_s=self.config.ack_wait_s,
-            )
+            spec = request_queue_spec(self.subjects, version, self.config.queue_ack_wait_s)
             self._consumers[version] = await self.bus.consumer(spec)
         return self._consumers[version]
 
