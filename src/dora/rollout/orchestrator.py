@@ -1,0 +1,458 @@
+"""The orchestrator policy: ``plan(state, config) -> list[Action]``, a pure function.
+
+The live service, the simulator and the tests call the same function. It decides from one
+``ClusterState`` snapshot, in this order (earlier rules win the action budget):
+
+1. **Serve every queue.** A version with requests waiting in its queue and no engine pulling it
+   gets one: un-drain a draining engine holding it, else a free engine (one already holding
+   its weights first), else an engine switching away from it, else the least-loaded engine of
+   a version that keeps another puller. A version is never left without a puller while its
+   queue has work, and running requests always finish where they are (or migrate).
+2. **Newest version present.** If no engine pulls the newest version, one is assigned, so the
+   dispatcher can start tagging it (it tags the newest version with an assigned engine).
+3. **Urgency.** Running requests of a version whose deadline step ``u + K`` is within
+   ``urgency_horizon_steps`` of the learner's next step get ``urgent_priority``.
+4. **No idle engine.** Free engines (idle, drained, or serving an old version with nothing left
+   to pull) go where queued work exceeds the pullers' free slots (largest need first, engines
+   already holding the weights first); with no such need, to the newest version.
+5. **Consolidation.** For an old version whose queue is empty, engines with low occupancy are
+   evacuated by migrating their requests (with KV) onto the fullest same-version engines that
+   have room for the blocks plus their expected growth (first-fit decreasing), when the freed
+   engine-time pays for the migration and some queue needs the freed engine; the evacuated
+   engine is assigned the newest version.
+
+Hysteresis: an engine assigned within ``assign_cooldown_s`` is not taken from a busy version
+(free engines always move: idling is never useful); a request migrated within
+``migration_cooldown_s`` is not migrated again; a migration must save more engine-time than
+it costs. Work is O(engines + requests of consolidation candidates) per call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, fields
+
+from dora.rollout.actions import (
+    Action,
+    AssignEngine,
+    DrainEngine,
+    MigrateRequests,
+    PrioritizeRequests,
+)
+from dora.rollout.state import ClusterState, EngineView, RequestView
+
+__all__ = ["DEFAULT_CONFIG", "Action", "OrchestratorConfig", "plan", "slots"]
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """Thresholds, cooldowns and costs of the policy (seconds unless stated)."""
+
+    max_actions: int = 64
+    """Most actions per call (a migration of several requests to one target is one action)."""
+    max_migrated_requests: int = 256
+    """Most requests moved per call."""
+    assign_cooldown_s: float = 10.0
+    """An engine assigned more recently than this is not taken away from busy work."""
+    migration_cooldown_s: float = 30.0
+    """A request migrated more recently than this is not migrated again."""
+    consolidate_below: float = 0.5
+    """Engines of an old version whose occupancy is below this are evacuation candidates."""
+    target_fill: float = 0.9
+    """A migration target is filled to at most this fraction of its KV blocks and slots."""
+    reserve_growth: bool = True
+    """Reserve KV blocks for the expected remaining tokens of migrated requests."""
+    migration_s_per_request: float = 0.05
+    """Fixed cost of moving one request (export, import, control round trips)."""
+    migration_s_per_block: float = 0.002
+    """Transfer cost per KV block."""
+    weight_load_s: float = 5.0
+    """Time to load a version's weights; an engine is loaded with an old version only when
+    that version's queue would take longer than this to drain with its current pullers."""
+    min_saving_s: float = 1.0
+    """A consolidation must free the source this much earlier than its tail would, beyond
+    the migration cost counted twice (the stall of the moved requests and the transfer)."""
+    decode_tokens_per_s: float = 30.0
+    """Per-request decode rate assumed when an engine reports no throughput."""
+    default_slots: int = 64
+    """Concurrent requests of an engine that reports ``max_running == 0``."""
+    urgent_priority: int = 10
+    urgency_horizon_steps: int = 0
+    """A version is urgent when ``u + K - learner_step <= this`` (0: the next step needs it)."""
+    migrate_urgent: bool = False
+    """Allow migrating urgent requests (a move stalls them, and the learner waits for them)."""
+    min_newest_engines: int = 1
+    consolidate_without_demand: bool = False
+    """Consolidate even when no queue needs the freed engines (default: do not)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+                raise ValueError(f"OrchestratorConfig.{f.name} must be >= 0, got {value}")
+        if not 0.0 < self.target_fill <= 1.0:
+            raise ValueError(
+                f"OrchestratorConfig.target_fill must be in (0, 1], got {self.target_fill}"
+            )
+        if self.max_actions < 1:
+            raise ValueError("OrchestratorConfig.max_actions must be >= 1")
+
+
+DEFAULT_CONFIG = OrchestratorConfig()
+
+
+def plan(state: ClusterState, config: OrchestratorConfig = DEFAULT_CONFIG) -> list[Action]:
+    """Decide this round's actions; pure and deterministic (see the module docstring)."""
+    return _Planner(state, config).run()
+
+
+def slots(engine: EngineView, config: OrchestratorConfig) -> int:
+    """Concurrent request slots of an engine."""
+    return engine.max_running or config.default_slots
+
+
+class _Planner:
+    """One call's scratch state. Engines are visited in ``engine_id`` order (determinism)."""
+
+    def __init__(self, state: ClusterState, config: OrchestratorConfig) -> None:
+        self.state = state
+        self.config = config
+        self.newest = state.newest_version
+        self.now = state.now
+        self.actions: list[Action] = []
+        self.migrated = 0
+        self.taken: set[str] = set()
+        self.queues = {v: d for v, d in state.queue_depths.items() if d > 0}
+        self.pullers: dict[int, list[EngineView]] = defaultdict(list)
+        self.free_slots: dict[int, int] = defaultdict(int)
+        self.holders: dict[int, list[EngineView]] = defaultdict(list)
+        self.draining: dict[int, list[EngineView]] = defaultdict(list)
+        self.free: list[EngineView] = []
+        self.usable: list[EngineView] = []
+        for e in sorted(state.engines, key=_engine_id):
+            if e.state == "stopped":
+                continue
+            self.usable.append(e)
+            run = len(e.requests)
+            if run:
+                loaded = e.version if e.version is not None else e.requests[0].version
+                self.holders[loaded].append(e)
+            pv = e.pulls
+            if pv is not None:
+                self.pullers[pv].append(e)
+                self.free_slots[pv] += max(0, slots(e, config) - run - e.waiting)
+            if e.state == "draining" and e.version is not None:
+                self.draining[e.version].append(e)
+            nothing_to_pull = pv is None or (pv != self.newest and pv not in self.queues)
+            if run == 0 and e.waiting == 0 and e.state != "loading" and nothing_to_pull:
+                self.free.append(e)
+
+    # ------------------------------------------------------------------ helpers
+
+    def room(self, n: int = 1) -> bool:
+        return len(self.actions) + n <= self.config.max_actions
+
+    def cooling(self, e: EngineView) -> bool:
+        at = e.assigned_at
+        return at is not None and self.now - at < self.config.assign_cooldown_s
+
+    def assign(self, e: EngineView, version: int, reason: str) -> None:
+        """Record an assignment and keep the pullers/slots bookkeeping in step."""
+        old = e.pulls
+        if old is not None and e in self.pullers[old]:
+            self.pullers[old].remove(e)
+            self.free_slots[old] -= max(0, slots(e, self.config) - e.running - e.waiting)
+        self.pullers[version].append(e)
+        self.free_slots[version] += max(0, slots(e, self.config) - e.running - e.waiting)
+        self.taken.add(e.engine_id)
+        if not (e.state in ("serving", "loading") and e.assigned_version == version):
+            self.actions.append(AssignEngine(e.engine_id, version, reason))
+
+    def need(self, version: int) -> int:
+        return self.queues.get(version, 0) - self.free_slots[version]
+
+    def take_free(self, prefer_loaded: int | None) -> EngineView | None:
+        best = None
+        for e in self.free:
+            if e.engine_id in self.taken:
+                continue
+            if prefer_loaded is None or e.version == prefer_loaded:
+                return e
+            if best is None:
+                best = e
+        return best
+
+    def take_busy(self, version: int, respect_cooldown: bool) -> EngineView | None:
+        """Least-loaded engine pulling a version that keeps another puller (or needs none)."""
+        best: EngineView | None = None
+        for v, engines in self.pullers.items():
+            if v == version:
+                continue
+            live = [e for e in engines if e.engine_id not in self.taken]
+            if len(live) < 2 and v in self.queues:
+                continue
+            for e in live:
+                if respect_cooldown and self.cooling(e):
+                    continue
+                if best is None or (e.running, e.kv_blocks_used, e.engine_id) < (
+                    best.running,
+                    best.kv_blocks_used,
+                    best.engine_id,
+                ):
+                    best = e
+        return best
+
+    # ------------------------------------------------------------------ rules
+
+    def run(self) -> list[Action]:
+        self.serve_queues()
+        self.newest_present()
+        self.prioritize_urgent()
+        self.place_free()
+        self.consolidate()
+        return self.actions
+
+    def serve_queues(self) -> None:
+        for v in sorted(self.queues):
+            if self.pullers[v]:
+                continue
+            if not self.room():
+                return
+            pick = next(
+                (e for e in self.draining.get(v, ()) if e.engine_id not in self.taken), None
+            )
+            if pick is None:
+                pick = self.take_free(prefer_loaded=v)
+            if pick is None:
+                pick = next(
+                    (
+                        e
+                        for e in self.holders.get(v, ())
+                        if e.engine_id not in self.taken
+                        and e.pulls not in (v, None)
+                        and (len(self.pullers[e.pulls]) > 1 or e.pulls not in self.queues)
+                    ),
+                    None,
+                )
+            if pick is None:
+                pick = self.take_busy(v, respect_cooldown=True) or self.take_busy(
+                    v, respect_cooldown=False
+                )
+            if pick is not None:
+                self.assign(pick, v, "serve-queue")
+
+    def newest_present(self) -> None:
+        want = min(self.config.min_newest_engines, len(self.usable))
+        while len(self.pullers[self.newest]) < want and self.room():
+            pick = self.take_free(prefer_loaded=self.newest) or self.take_busy(
+                self.newest, respect_cooldown=True
+            )
+            if pick is None:
+                return
+            self.assign(pick, self.newest, "newest-present")
+
+    def prioritize_urgent(self) -> None:
+        horizon = self.config.urgency_horizon_steps
+        prio = self.config.urgent_priority
+        for v in sorted(self.holders):
+            if self.state.steps_left(v) > horizon:
+                continue
+            for e in self.holders[v]:
+                ids = tuple(r.request_id for r in e.requests if r.priority < prio)
+                if ids:
+                    if not self.room():
+                        return
+                    self.actions.append(PrioritizeRequests(e.engine_id, ids, prio, "urgent"))
+
+    def place_free(self) -> None:
+        lengths = self.state.lengths
+        for e in self.free:
+            if e.engine_id in self.taken:
+                continue
+            if not self.room():
+                return
+            choice = None
+            if e.version is not None and self.need(e.version) > 0:
+                choice = e.version
+            else:
+                best_need = 0
+                for v in sorted(self.queues):
+                    need = self.need(v)
+                    if need <= best_need:
+                        continue
+                    if v != self.newest and not self.worth_loading(v, lengths.mean):
+                        continue
+                    choice, best_need = v, need
+            self.assign(e, self.newest if choice is None else choice, "place-free")
+
+    def worth_loading(self, version: int, mean_length: float) -> bool:
+        """An old version's queue must outlast a weight load to justify loading it."""
+        pullers = self.pullers[version]
+        if not pullers:
+            return True
+        per_req = self.config.decode_tokens_per_s
+        rate = sum(slots(e, self.config) for e in pullers) * per_req
+        tokens = self.queues.get(version, 0) * max(mean_length, 1.0)
+        return tokens / rate > self.config.weight_load_s
+
+    # ------------------------------------------------------------------ consolidation
+
+    def demand(self) -> int:
+        return sum(max(0, self.need(v)) for v in self.queues)
+
+    def consolidate(self) -> None:
+        cfg = self.config
+        for v in sorted(self.holders):
+            if v >= self.newest or v in self.queues:
+                continue
+            engines = [e for e in self.holders[v] if e.state != "loading"]
+            if len(engines) < 2:
+                continue
+            if not cfg.consolidate_without_demand and self.demand() <= 0:
+                return
+            targets = [
+                e
+                for e in engines
+                if e.state == "serving"
+                and e.version == v
+                and e.assigned_version == v
+                and e.engine_id not in self.taken
+            ]
+            sources = [
+                e
+                for e in engines
+                if e.occupancy < cfg.consolidate_below
+                and not (e.assigned_version == v and self.cooling(e))
+                and (e.engine_id not in self.taken or e.assigned_version == self.newest)
+            ]
+            if not targets or not sources:
+                continue
+            targets.sort(key=lambda e: (-e.kv_blocks_used, e.engine_id))
+            sources.sort(key=lambda e: (e.kv_blocks_used, e.running, e.engine_id))
+            if not self.pack(v, sources, targets):
+                return
+
+    def pack(self, v: int, sources: list[EngineView], targets: list[EngineView]) -> bool:
+        """Evacuate sources into targets; False once the call's budget is spent."""
+        cfg = self.config
+        blocks = {
+            t.engine_id: math.floor(cfg.target_fill * t.kv_blocks_total) - t.kv_blocks_used
+            for t in targets
+        }
+        seats = {
+            t.engine_id: math.floor(cfg.target_fill * slots(t, cfg)) - t.running - t.waiting
+            for t in targets
+        }
+        evacuated: set[str] = set()
+        receivers: set[str] = set()
+        for src in sources:
+            if src.engine_id in receivers:
+                continue
+            if not cfg.consolidate_without_demand and self.demand() <= 0:
+                return False
+            if self.migrated + src.running > cfg.max_migrated_requests:
+                return False
+            placed = self.place_requests(src, targets, blocks, seats, evacuated)
+            if placed is None:
+                continue
+            by_target: dict[str, list[RequestView]] = defaultdict(list)
+            for tid, r in placed:
+                by_target[tid].append(r)
+            reassign = src.assigned_version != self.newest and src.engine_id not in self.taken
+            if not self.room(len(by_target) + int(reassign)):
+                self.unplace(placed, blocks, seats, src)
+                return False
+            for tid in sorted(by_target):
+                reqs = by_target[tid]
+                self.actions.append(
+                    MigrateRequests(
+                        src.engine_id,
+                        tid,
+                        v,
+                        tuple(r.request_id for r in reqs),
+                        sum(r.kv_blocks for r in reqs),
+                        "consolidate",
+                    )
+                )
+                receivers.add(tid)
+            self.migrated += len(placed)
+            evacuated.add(src.engine_id)
+            if reassign:
+                self.assign(src, self.newest, "consolidated")
+            else:
+                self.taken.add(src.engine_id)
+        return True
+
+    def place_requests(
+        self,
+        src: EngineView,
+        targets: list[EngineView],
+        blocks: dict[str, int],
+        seats: dict[str, int],
+        evacuated: set[str],
+    ) -> list[tuple[str, RequestView]] | None:
+        """First-fit-decreasing placement of all of ``src``'s requests, or None (rolled back)."""
+        cfg = self.config
+        lengths = self.state.lengths
+        urgent = self.state.steps_left(src.requests[0].version) <= cfg.urgency_horizon_steps
+        if urgent and not cfg.migrate_urgent:
+            return None
+        need: list[tuple[int, RequestView]] = []
+        tail_tokens = 0.0
+        for r in src.requests:
+            if (
+                r.last_migrated_at is not None
+                and self.now - r.last_migrated_at < cfg.migration_cooldown_s
+            ):
+                return None
+            remaining = lengths.remaining(r.generated, r.max_tokens)
+            tail_tokens = max(tail_tokens, remaining)
+            growth = math.ceil(remaining / src.block_size) if cfg.reserve_growth else 0
+            need.append((r.kv_blocks + growth, r))
+        rate = src.tokens_per_s / src.running if src.tokens_per_s > 0 else cfg.decode_tokens_per_s
+        tail_s = tail_tokens / max(rate, 1e-9)
+        moved_blocks = sum(r.kv_blocks for r in src.requests)
+        mig_s = cfg.migration_s_per_request * src.running + cfg.migration_s_per_block * moved_blocks
+        if tail_s - mig_s <= mig_s + cfg.min_saving_s:
+            return None
+        need.sort(key=lambda x: (-x[0], x[1].request_id))
+        placed: list[tuple[str, RequestView]] = []
+        for size, r in need:
+            for t in targets:
+                tid = t.engine_id
+                if tid == src.engine_id or tid in evacuated:
+                    continue
+                if blocks[tid] >= size and seats[tid] >= 1:
+                    blocks[tid] -= size
+                    seats[tid] -= 1
+                    placed.append((tid, r))
+                    break
+            else:
+                self.unplace(placed, blocks, seats, src)
+                return None
+        return placed
+
+    def unplace(
+        self,
+        placed: list[tuple[str, RequestView]],
+        blocks: dict[str, int],
+        seats: dict[str, int],
+        src: EngineView,
+    ) -> None:
+        lengths = self.state.lengths
+        for tid, r in placed:
+            growth = 0
+            if self.config.reserve_growth:
+                growth = math.ceil(lengths.remaining(r.generated, r.max_tokens) / src.block_size)
+            blocks[tid] += r.kv_blocks + growth
+            seats[tid] += 1
+
+
+def _engine_id(e: EngineView) -> str:
+    return e.engine_id
+
+
+# DrainEngine is part of the action vocabulary for the service (scale-down, stop); the policy
+# moves engines with AssignEngine, which already stops pulling the old version.
+_ = DrainEngine
