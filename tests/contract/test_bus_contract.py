@@ -10,6 +10,7 @@ import pytest
 from dora.bus import (
     BlobNotFound,
     Bus,
+    BusError,
     ConsumerSpec,
     NoResponders,
     PublishTimeout,
@@ -82,16 +83,25 @@ async def test_redelivery_after_crash_before_ack(make_bus: BusFactory) -> None:
 
 
 async def test_nak_redelivers_and_max_deliver_stops(bus: Bus) -> None:
+    """Dead-letter at the bus level: the last delivery is observable, then delivery stops."""
     subject = bus.subjects.requests(1)
     consumer = await bus.consumer(ConsumerSpec("gen-v1", subject, max_deliver=3))
     await bus.publish(subject, b"poison", msg_id="p")
+    await bus.publish(subject, b"fine", msg_id="f")
     deliveries = []
-    for _ in range(3):
-        (msg,) = await consumer.fetch(timeout=2.0)
-        deliveries.append(msg.num_delivered)
-        await msg.nak()
+    last_seen = False
+    while not last_seen:
+        for msg in await consumer.fetch(batch=2, timeout=2.0):
+            if msg.data == b"fine":
+                await msg.ack()
+                continue
+            deliveries.append(msg.num_delivered)
+            last_seen = msg.num_delivered == consumer.spec.max_deliver  # a stage dead-letters
+            await msg.nak()
     assert deliveries == [1, 2, 3]
     assert await consumer.fetch(timeout=0.5) == []
+    # never delivered again, yet not lost: the message stays in the stream until dealt with
+    assert (await bus.stream_info(subject)).messages == 1
 
 
 async def test_dedupe_by_event_id(bus: Bus) -> None:
@@ -143,6 +153,81 @@ async def test_backpressure_blocks_producer_and_bounds_memory(make_bus: BusFacto
             await m.ack()
     assert got == [str(i).encode() for i in range(6)]
     await bus.close()
+
+
+async def test_fast_producer_slow_consumer_stays_bounded(make_bus: BusFactory) -> None:
+    """A slow consumer slows its producer: stored and in-flight work never exceed the bound."""
+    bound, total = 5, 40
+    bus = make_bus(streams=small_streams(max_msgs=bound))
+    await bus.connect()
+    subject = bus.subjects.requests(0)
+    consumer = await bus.consumer(ConsumerSpec("gen-v0", subject, max_ack_pending=2))
+    published = 0
+
+    async def produce() -> None:
+        nonlocal published
+        for i in range(total):
+            await bus.publish(subject, str(i).encode(), msg_id=f"s{i}")
+            published += 1
+
+    producer = asyncio.create_task(produce())
+    got: list[int] = []
+    max_stored = 0
+    while len(got) < total:
+        for msg in await consumer.fetch(batch=1, timeout=2.0):
+            stored = (await bus.stream_info(subject)).messages
+            max_stored = max(max_stored, stored)
+            assert stored <= bound
+            assert published - len(got) <= bound  # the producer waits for the consumer
+            got.append(int(msg.data))
+            await msg.ack()
+    await asyncio.wait_for(producer, timeout=5.0)
+    assert got == list(range(total))  # nothing lost, nothing reordered
+    assert max_stored == bound  # the producer did run ahead up to the bound
+    await bus.close()
+
+
+async def test_stream_messages_reads_without_consuming(bus: Bus) -> None:
+    v0, v1 = bus.subjects.requests(0), bus.subjects.requests(1)
+    consumer = await bus.consumer(ConsumerSpec("gen-v0", v0))
+    for i in range(5):
+        await bus.publish(v0, f"a{i}".encode(), msg_id=f"a{i}")
+        await bus.publish(v1, f"b{i}".encode(), msg_id=f"b{i}")
+
+    read = [m async for m in bus.stream_messages(v0)]
+    assert [m.data for m in read] == [f"a{i}".encode() for i in range(5)]
+    assert [m.msg_id for m in read] == [f"a{i}" for i in range(5)]
+    assert all(m.subject == v0 for m in read)
+    seqs = [m.stream_seq for m in read]
+    assert seqs == sorted(seqs)
+    both = [m.data async for m in bus.stream_messages(bus.subjects.requests_all, start=seqs[2])]
+    assert both == [b"a2", b"b2", b"a3", b"b3", b"a4", b"b4"]
+    assert [m async for m in bus.stream_messages(v0, start="new")] == []
+
+    info = await bus.stream_info(v0)
+    assert (info.messages, info.last_seq, info.consumers) == (10, 10, 1)
+    msgs = await consumer.fetch(batch=10, timeout=2.0)  # the reads took nothing away
+    assert [m.data for m in msgs] == [f"a{i}".encode() for i in range(5)]
+    for m in msgs:
+        await m.ack(wait=m is msgs[-1])
+    assert (await bus.stream_info(v0)).messages == 5  # acked work is gone from the queue
+    assert [m.data async for m in bus.stream_messages(v0)] == []
+
+    async def first_two_new() -> list[bytes]:
+        out = []
+        async for m in bus.stream_messages(v0, start=info.last_seq + 1, follow=True, poll_s=0.05):
+            out.append(m.data)
+            if len(out) == 2:
+                return out
+        return out
+
+    follower = asyncio.create_task(first_two_new())
+    await bus.publish(v0, b"n0", msg_id="n0")
+    await bus.publish(v0, b"n1", msg_id="n1")
+    assert await asyncio.wait_for(follower, timeout=5.0) == [b"n0", b"n1"]
+
+    with pytest.raises(BusError):
+        await bus.stream_info(bus.subjects.status("e0"))
 
 
 async def test_interest_stream_fans_out_to_every_consumer(bus: Bus) -> None:

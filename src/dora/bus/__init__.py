@@ -13,7 +13,10 @@ from dora.bus.base import (
     PublishTimeout,
     RequestError,
     RequestTimeout,
+    StartAt,
+    StoredMessage,
     StreamSpec,
+    StreamState,
     Subscription,
     default_streams,
 )
@@ -36,7 +39,10 @@ __all__ = [
     "PublishTimeout",
     "RequestError",
     "RequestTimeout",
+    "StartAt",
+    "StoredMessage",
     "StreamSpec",
+    "StreamState",
     "Subscription",
     "default_streams",
 ]

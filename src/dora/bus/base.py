@@ -113,6 +113,36 @@ class PublishResult:
     duplicate: bool = False
 
 
+@dataclass(frozen=True)
+class StreamState:
+    """What a durable stream holds right now (messages stored, their bytes, sequence range)."""
+
+    stream: str
+    messages: int
+    bytes: int
+    first_seq: int
+    last_seq: int
+    consumers: int
+
+
+@dataclass(frozen=True)
+class StoredMessage:
+    """A message read from a stream without consuming it (no ack, no effect on consumers)."""
+
+    subject: str
+    data: bytes
+    headers: dict[str, str]
+    stream_seq: int
+
+    @property
+    def msg_id(self) -> str | None:
+        return self.headers.get("Nats-Msg-Id")
+
+
+StartAt = int | Literal["first", "new"]
+"""Where a stream read starts: a stream sequence, the oldest stored message, or after the last."""
+
+
 class Message(abc.ABC):
     """A delivered message. Durable ones must be acked, nak'ed or termed."""
 
@@ -129,8 +159,12 @@ class Message(abc.ABC):
         return self.headers.get("Nats-Msg-Id")
 
     @abc.abstractmethod
-    async def ack(self) -> None:
-        """Done: never deliver again."""
+    async def ack(self, *, wait: bool = False) -> None:
+        """Done: never deliver again.
+
+        Acks are sent without waiting (one round trip per message would halve throughput), so
+        consumer and stream counts may show them a moment later; ``wait=True`` returns only once
+        the server has applied this ack and every earlier one of the consumer."""
 
     @abc.abstractmethod
     async def nak(self, delay: float | None = None) -> None:
@@ -244,6 +278,24 @@ class Bus(abc.ABC):
     @abc.abstractmethod
     async def serve(self, subject: str, handler: Handler) -> Subscription:
         """Answer requests on ``subject`` with ``handler``."""
+
+    @abc.abstractmethod
+    async def stream_info(self, subject: str) -> StreamState:
+        """State of the durable stream that holds ``subject`` (any subject of its family)."""
+
+    @abc.abstractmethod
+    def stream_messages(
+        self,
+        subject: str,
+        *,
+        start: StartAt = "first",
+        follow: bool = False,
+        poll_s: float = 0.2,
+    ) -> AsyncIterator[StoredMessage]:
+        """Read the stored messages matching ``subject`` (wildcards allowed) in stream order,
+        without consuming them: no consumer is created, nothing is acked, work queues keep their
+        work. ``follow`` keeps waiting for new messages (checking every ``poll_s``) instead of
+        ending at the last one. For ``dora tail`` and audit tools."""
 
     @abc.abstractmethod
     async def put_blob(self, name: str, data: bytes) -> BlobRef: ...

@@ -28,7 +28,10 @@ from dora.bus.base import (
     PublishResult,
     PublishTimeout,
     RequestTimeout,
+    StartAt,
+    StoredMessage,
     StreamSpec,
+    StreamState,
     Subscription,
 )
 from dora.bus.matching import subject_matches
@@ -147,7 +150,7 @@ class _LiveMessage(Message):
         self.num_delivered = 1
         self.stream_seq = 0
 
-    async def ack(self) -> None:
+    async def ack(self, *, wait: bool = False) -> None:
         return None
 
     async def nak(self, delay: float | None = None) -> None:
@@ -174,7 +177,7 @@ class _DurableMessage(Message):
         )
         broker.leases[self.ack_token] = self
 
-    async def ack(self) -> None:
+    async def ack(self, *, wait: bool = False) -> None:
         self._rec.unacked.pop(self.stream_seq, None)
         self._rec.ready.pop(self.stream_seq, None)
         self._rec.stream.settle(self.stream_seq, self._rec.spec.durable)
@@ -363,11 +366,16 @@ class MemoryBus(Bus):
         await self.broker.notify()
         return PublishResult(stream.name, stream.seq)
 
-    async def consumer(self, spec: ConsumerSpec) -> Consumer:
+    def _stream_of(self, subject: str) -> _Stream:
+        """The stream of ``subject``'s family (wildcards allowed), like NatsBus resolves it."""
         self._require()
-        stream = self.broker.stream_for(spec.filter_subject.replace("*", "x").replace(">", "x"))
+        stream = self.broker.streams.get(self.subjects.stream(self.subjects.family_of(subject)))
         if stream is None:
-            raise BusError(f"no stream holds {spec.filter_subject!r}")
+            raise BusError(f"subject {subject!r} belongs to no durable stream")
+        return stream
+
+    async def consumer(self, spec: ConsumerSpec) -> Consumer:
+        stream = self._stream_of(spec.filter_subject)
         rec = stream.consumers.get(spec.durable)
         if rec is None:
             rec = _ConsumerRecord(spec, stream)
@@ -384,6 +392,45 @@ class MemoryBus(Bus):
             for seq in list(stream.messages):
                 if stream.spec.retention == "interest":
                     stream.settle(seq, durable)
+
+    async def stream_info(self, subject: str) -> StreamState:
+        stream = self._stream_of(subject)
+        first = next(iter(stream.messages), stream.seq + 1)
+        return StreamState(
+            stream=stream.name,
+            messages=len(stream.messages),
+            bytes=stream.nbytes,
+            first_seq=first,
+            last_seq=stream.seq,
+            consumers=len(stream.consumers),
+        )
+
+    async def stream_messages(
+        self,
+        subject: str,
+        *,
+        start: StartAt = "first",
+        follow: bool = False,
+        poll_s: float = 0.2,
+    ) -> AsyncIterator[StoredMessage]:
+        stream = self._stream_of(subject)
+        seq = stream.seq + 1 if start == "new" else 1 if start == "first" else int(start)
+        while True:
+            found = next(
+                (
+                    m
+                    for s, m in stream.messages.items()
+                    if s >= seq and subject_matches(subject, m.subject)
+                ),
+                None,
+            )
+            if found is not None:
+                seq = found.seq + 1
+                yield StoredMessage(found.subject, found.data, dict(found.headers), found.seq)
+                continue
+            if not follow:
+                return
+            await self.broker.wait(poll_s)
 
     async def subscribe(self, subject: str) -> Subscription:
         self._require()

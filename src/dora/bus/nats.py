@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import nats
 import nats.errors
@@ -35,7 +35,10 @@ from dora.bus.base import (
     PublishResult,
     PublishTimeout,
     RequestTimeout,
+    StartAt,
+    StoredMessage,
     StreamSpec,
+    StreamState,
     Subscription,
 )
 from dora.events import BlobRef
@@ -68,9 +71,16 @@ class _NatsMessage(Message):
             self.num_delivered = 1
             self.stream_seq = 0
 
-    async def ack(self) -> None:
-        if self._durable:
+    async def ack(self, *, wait: bool = False) -> None:
+        # Fire-and-forget by default, like nak/term: ``ack_sync`` costs a round trip per message
+        # (see ``dora bench bus``). A lost ack only means a redelivery (at-least-once), which
+        # dedupe by event id absorbs.
+        if not self._durable:
+            return
+        if wait:
             await self._msg.ack_sync()
+        else:
+            await self._msg.ack()
 
     async def nak(self, delay: float | None = None) -> None:
         if self._durable:
@@ -99,7 +109,7 @@ class _NatsLease(Message):
         self.num_delivered = 0
         self.stream_seq = 0
 
-    async def ack(self) -> None:
+    async def ack(self, *, wait: bool = False) -> None:
         await self._nc.request(self.ack_token, b"+ACK", timeout=5.0)
 
     async def nak(self, delay: float | None = None) -> None:
@@ -113,9 +123,12 @@ class _NatsLease(Message):
 
 
 class _NatsConsumer(Consumer):
-    def __init__(self, spec: ConsumerSpec, sub: JetStreamContext.PullSubscription) -> None:
+    def __init__(
+        self, spec: ConsumerSpec, sub: JetStreamContext.PullSubscription, nc: Client
+    ) -> None:
         self.spec = spec
         self._sub = sub
+        self._nc = nc
 
     async def fetch(self, batch: int = 1, timeout: float = 1.0) -> list[Message]:
         try:
@@ -125,6 +138,7 @@ class _NatsConsumer(Consumer):
         return [_NatsMessage(m, durable=True) for m in msgs]
 
     async def state(self) -> ConsumerState:
+        await self._nc.flush()  # let the server see our acks sent so far
         info = await self._sub.consumer_info()
         return ConsumerState(
             pending=info.num_pending or 0,
@@ -133,7 +147,8 @@ class _NatsConsumer(Consumer):
         )
 
     async def close(self) -> None:
-        await self._sub.unsubscribe()
+        with contextlib.suppress(nats.errors.BadSubscriptionError):
+            await self._sub.unsubscribe()
 
 
 class _NatsSubscription(Subscription):
@@ -164,6 +179,7 @@ class NatsBus(Bus):
         self._js: JetStreamContext | None = None
         self._objects: ObjectStore | None = None
         self._kv: KeyValue | None = None
+        self._readers: list[Callable[[], Awaitable[None]]] = []
         self._stream_names = {s.family: subjects.stream(s.family) for s in self.streams}
 
     @property
@@ -204,6 +220,13 @@ class NatsBus(Bus):
             await self.js.update_stream(config)
 
     async def close(self) -> None:
+        # Pull and live subscriptions may hold messages nobody will read (late deliveries,
+        # fetch status replies); draining would wait for them until drain_timeout. Drop those
+        # first (unacked ones are redelivered), then drain so running rpc handlers can reply.
+        for stop in self._readers:
+            with contextlib.suppress(nats.errors.Error):
+                await stop()
+        self._readers.clear()
         if self._nc is not None and not self._nc.is_closed:
             await self._nc.drain()
         self._nc = self._js = None
@@ -244,7 +267,7 @@ class NatsBus(Bus):
             delay = min(delay * 2, _BACKOFF_MAX_S)
 
     async def consumer(self, spec: ConsumerSpec) -> Consumer:
-        stream = self._stream_names[self.subjects.family_of(spec.filter_subject)]
+        stream = self._stream_name(spec.filter_subject)
         config = api.ConsumerConfig(
             durable_name=spec.durable,
             filter_subject=spec.filter_subject,
@@ -257,15 +280,64 @@ class NatsBus(Bus):
         sub = await self.js.pull_subscribe(
             spec.filter_subject, durable=spec.durable, stream=stream, config=config
         )
-        return _NatsConsumer(spec, sub)
+        consumer = _NatsConsumer(spec, sub, self.nc)
+        self._readers.append(consumer.close)
+        return consumer
 
     async def delete_consumer(self, subject: str, durable: str) -> None:
-        stream = self._stream_names[self.subjects.family_of(subject)]
+        stream = self._stream_name(subject)
         with contextlib.suppress(nats.js.errors.NotFoundError):
             await self.js.delete_consumer(stream, durable)
 
     async def subscribe(self, subject: str) -> Subscription:
-        return _NatsSubscription(await self.nc.subscribe(subject, pending_msgs_limit=65_536))
+        sub = _NatsSubscription(await self.nc.subscribe(subject, pending_msgs_limit=65_536))
+        self._readers.append(sub.unsubscribe)
+        return sub
+
+    def _stream_name(self, subject: str) -> str:
+        name = self._stream_names.get(self.subjects.family_of(subject))
+        if name is None:
+            raise BusError(f"subject {subject!r} belongs to no durable stream")
+        return name
+
+    async def stream_info(self, subject: str) -> StreamState:
+        info = await self.js.stream_info(self._stream_name(subject))
+        state = info.state
+        return StreamState(
+            stream=info.config.name or "",
+            messages=state.messages,
+            bytes=state.bytes,
+            first_seq=state.first_seq,
+            last_seq=state.last_seq,
+            consumers=state.consumer_count,
+        )
+
+    async def stream_messages(
+        self,
+        subject: str,
+        *,
+        start: StartAt = "first",
+        follow: bool = False,
+        poll_s: float = 0.2,
+    ) -> AsyncIterator[StoredMessage]:
+        # Direct reads of the stream (STREAM.MSG.GET next_by_subj): unlike a consumer, they
+        # neither count as interest nor compete for work-queue messages.
+        stream = self._stream_name(subject)
+        if start == "new":
+            seq = (await self.stream_info(subject)).last_seq + 1
+        else:
+            seq = 1 if start == "first" else max(int(start), 1)
+        while True:
+            try:
+                raw = await self.js.get_msg(stream, seq, subject=subject, next=True)
+            except nats.js.errors.NotFoundError:
+                if not follow:
+                    return
+                await asyncio.sleep(poll_s)
+                continue
+            seq = (raw.seq or seq) + 1
+            headers = {k: str(v) for k, v in (raw.headers or {}).items()}
+            yield StoredMessage(raw.subject or "", raw.data or b"", headers, raw.seq or 0)
 
     async def request(self, subject: str, data: bytes, timeout: float = 5.0) -> bytes:
         try:
