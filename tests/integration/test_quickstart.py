@@ -1,0 +1,57 @@
+"""The quickstart end to end: `dora run` on the embedded nats-server, every prompt scored."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+from typer.testing import CliRunner
+
+from dora.bus.server import NatsServer
+from dora.cli import app
+from dora.pipeline import load_pipeline
+
+COUNT = 24
+
+
+def small_quickstart(repo_root: Path, tmp_path: Path) -> Path:
+    spec = yaml.safe_load((repo_root / "pipelines" / "quickstart.yaml").read_text())
+    for entry in spec["stages"]:
+        if entry["type"] == "prompt_source":
+            entry["config"]["count"] = COUNT
+        if entry["type"] == "counting_sink":
+            entry["config"]["expect"] = COUNT
+    path = tmp_path / "quickstart.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_dora_run_quickstart_on_embedded_nats(repo_root: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["run", str(small_quickstart(repo_root, tmp_path)), "--run-dir", str(run_dir)]
+    result = CliRunner().invoke(app, [*args, "--run-id", "qs-test"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["completed"] is True and summary["run_id"] == "qs-test"
+    stages = summary["stages"]
+    assert stages["prompts"]["stats"]["published"] == COUNT
+    assert stages["generator"]["stats"]["processed"] == COUNT
+    assert stages["verifier"]["stats"]["published"] == COUNT
+    assert stages["sink"]["count"] == COUNT  # every prompt scored, each once
+    assert 0 < stages["sink"]["correct"] < COUNT  # ~1 in 5 answers is corrupted on purpose
+    assert sum(s["stats"]["dead_lettered"] for s in stages.values()) == 0
+    assert (run_dir / "nats").is_dir()  # JetStream lived in the run dir
+    assert "completed" in result.output
+
+
+async def test_quickstart_against_a_given_server(
+    nats_server: NatsServer, repo_root: Path, tmp_path: Path
+) -> None:
+    pipe = load_pipeline(
+        small_quickstart(repo_root, tmp_path), nats_url=nats_server.url, run_dir=tmp_path / "r"
+    )
+    summary = await pipe.run()
+    assert summary["completed"]
+    assert summary["stages"]["sink"]["count"] == COUNT
+    assert not (tmp_path / "r" / "nats").exists()  # no embedded server was started
