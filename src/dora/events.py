@@ -398,6 +398,9 @@ class Metrics(Event):
     kind: ClassVar[str] = "metrics"
     step: int = Field(ge=0)
     values: dict[str, float]
+    consumed_groups: tuple[str, ...] = Field(
+        default=(), description="Learner steps: the GRPO groups this step trained on."
+    )
 
 
 class VersionCounts(Model):
