@@ -1,0 +1,209 @@
+"""The live dispatcher: prompts in, version-tagged GRPO groups out, ledger kept in the KV store.
+
+It holds at most one prompt it cannot admit yet (unacked, heartbeated): the rest wait in the
+bounded ``prompts`` work queue, which blocks the prompt source — backpressure all the way up,
+never an unbounded buffer. Observations feed the pure ``Dispatcher``:
+
+- engine assignments from ``EngineStatus`` (which versions have an engine),
+- finished samples from ``scored`` (a group is finished when all its samples are scored),
+- consumption from the learner's ``Metrics`` (``consumed_groups``, and its step),
+- published versions from ``weights``.
+
+Every change rewrites the ``Ledger`` (KV key ``ledger``) the learner and orchestrator read.
+Request event ids are derived from request ids, so a re-publish after a crash is deduplicated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
+import structlog
+
+from dora.bus import Bus, ConsumerSpec, Message, Subscription
+from dora.events import (
+    DeadLetter,
+    EngineStatus,
+    Metrics,
+    Prompt,
+    RolloutRequest,
+    ScoredTrajectory,
+    WeightVersion,
+)
+from dora.rollout.dispatcher import Dispatcher, Tokenize
+
+log = structlog.get_logger(__name__)
+
+LEDGER_KEY = "ledger"
+
+
+def request_event_id(request: RolloutRequest) -> str:
+    return f"req-{request.request_id}-v{request.version}"
+
+
+@dataclass
+class DispatchStats:
+    """Counters for tests and reports."""
+
+    prompts: int = 0
+    groups: int = 0
+    requests: int = 0
+    refusals: dict[str, int] = field(default_factory=dict)
+
+
+class DispatchService:
+    """``await run()`` until ``stop()`` or until ``max_prompts`` have been dispatched."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        dispatcher: Dispatcher,
+        max_prompts: int | None = None,
+        retry_s: float = 0.05,
+    ) -> None:
+        self.bus = bus
+        self.dispatcher = dispatcher
+        self.max_prompts = max_prompts
+        self.retry_s = retry_s
+        self.stats = DispatchStats()
+        self.assigned: dict[str, int | None] = {}
+        self.done = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self._log = log.bind(stage="dispatcher", mode=dispatcher.config.mode)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._changed.set()
+
+    async def run(self) -> None:
+        s = self.bus.subjects
+        status = await self.bus.subscribe(s.status_all)
+        consumers = {
+            "scored": await self.bus.consumer(ConsumerSpec("dispatcher", s.scored)),
+            "metrics": await self.bus.consumer(ConsumerSpec("dispatcher", s.metrics)),
+            "weights": await self.bus.consumer(ConsumerSpec("dispatcher", s.weights)),
+        }
+        prompts = await self.bus.consumer(
+            ConsumerSpec("dispatcher", s.prompts, max_ack_pending=1, ack_wait_s=30.0)
+        )
+        tasks = [
+            asyncio.create_task(self._watch_status(status)),
+            asyncio.create_task(self._watch(consumers["scored"], self._on_scored)),
+            asyncio.create_task(self._watch(consumers["metrics"], self._on_metrics)),
+            asyncio.create_task(self._watch(consumers["weights"], self._on_weights)),
+        ]
+        await self._write_ledger()
+        try:
+            await self._dispatch_loop(prompts)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await status.unsubscribe()
+            for consumer in (*consumers.values(), prompts):
+                await consumer.close()
+
+    # ------------------------------------------------------------------ dispatching
+
+    def _finished_quota(self) -> bool:
+        return self.max_prompts is not None and self.stats.prompts >= self.max_prompts
+
+    async def _dispatch_loop(self, prompts: object) -> None:
+        while not self._stop.is_set() and not self._finished_quota():
+            msgs = await prompts.fetch(batch=1, timeout=0.5)  # type: ignore[attr-defined]
+            for msg in msgs:
+                await self._dispatch(msg)
+        if self._finished_quota():
+            self.done.set()
+            await self._stop.wait()
+
+    async def _dispatch(self, msg: Message) -> None:
+        try:
+            prompt = Prompt.model_validate_json(msg.data)
+        except ValueError as exc:
+            await self._dead_letter(msg, f"invalid Prompt: {exc}")
+            return
+        while not self._stop.is_set():
+            async with self._lock:
+                admission = self.dispatcher.admit(prompt, self.assigned.values())
+            if admission.admitted:
+                break
+            self.stats.refusals[admission.reason] = self.stats.refusals.get(admission.reason, 0) + 1
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=self.retry_s * 20)
+            await msg.in_progress()
+        else:
+            await msg.nak()
+            return
+        for request in admission.requests:
+            event = request.model_copy(update={"event_id": request_event_id(request)})
+            await self.bus.publish_event(self.bus.subjects.requests(request.version), event)
+        await msg.ack()
+        self.stats.prompts += 1
+        self.stats.groups += 1
+        self.stats.requests += len(admission.requests)
+        await self._write_ledger()
+
+    async def _dead_letter(self, msg: Message, reason: str) -> None:
+        letter = DeadLetter(
+            subject=msg.subject,
+            payload=msg.data.decode("utf-8", errors="replace"),
+            reason=reason,
+            stage="dispatcher",
+            deliveries=msg.num_delivered,
+        )
+        await self.bus.publish_event(self.bus.subjects.deadletter, letter)
+        await msg.term()
+
+    async def _write_ledger(self) -> None:
+        ledger = self.dispatcher.ledger()
+        await self.bus.kv_put(LEDGER_KEY, ledger.model_dump_json().encode())
+
+    # ------------------------------------------------------------------ observations
+
+    async def _watch_status(self, sub: Subscription) -> None:
+        async for msg in sub:
+            with contextlib.suppress(ValueError):
+                status = EngineStatus.model_validate_json(msg.data)
+                if self.assigned.get(status.engine_id) != status.assigned_version:
+                    self.assigned[status.engine_id] = status.assigned_version
+                    self._changed.set()
+
+    async def _watch(self, consumer: object, handle: object) -> None:
+        while True:
+            msgs = await consumer.fetch(batch=256, timeout=1.0)  # type: ignore[attr-defined]
+            if not msgs:
+                continue
+            async with self._lock:
+                for msg in msgs:
+                    try:
+                        handle(msg.data)  # type: ignore[operator]
+                    except (ValueError, KeyError) as exc:
+                        self._log.warning(
+                            "observation_ignored", subject=msg.subject, error=str(exc)
+                        )
+            await self._write_ledger()
+            for msg in msgs:
+                await msg.ack()
+            self._changed.set()
+
+    def _on_scored(self, data: bytes) -> None:
+        scored = ScoredTrajectory.model_validate_json(data)
+        self.dispatcher.on_finished(scored.trajectory.request.request_id)
+
+    def _on_metrics(self, data: bytes) -> None:
+        metrics = Metrics.model_validate_json(data)
+        if metrics.consumed_groups:
+            self.dispatcher.on_consumed(metrics.consumed_groups, learner_step=metrics.step)
+        else:
+            self.dispatcher.observe_learner_step(metrics.step)
+
+    def _on_weights(self, data: bytes) -> None:
+        self.dispatcher.observe_weights(WeightVersion.model_validate_json(data).version)
+
+
+__all__ = ["LEDGER_KEY", "DispatchService", "Tokenize", "request_event_id"]

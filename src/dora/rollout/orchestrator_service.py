@@ -1,0 +1,251 @@
+"""The live orchestrator: builds ``ClusterState`` from the bus, calls ``plan``, sends commands.
+
+It keeps no state that cannot be rebuilt: engines report their version, assignment and
+running requests in ``EngineStatus`` every fraction of a second, queue depths come from the
+request-queue consumers, the learner's step and K from the dispatcher's ledger (KV store), and
+the length distribution from finished trajectories. A restarted orchestrator therefore
+resumes from the next status round. What it remembers (when it assigned an engine, when it
+migrated a request, priorities it raised) only feeds hysteresis.
+
+Migrations run in the background through the ``Migrator``; requests being migrated are hidden
+from ``plan`` until their move is settled, so a request is never in two migrations at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from dora.bus import Bus, ConsumerSpec, Subscription
+from dora.events import ControlReply, EngineStatus, Event, Ledger, Trajectory
+from dora.rollout.actions import (
+    Action,
+    AssignEngine,
+    DrainEngine,
+    MigrateRequests,
+    PrioritizeRequests,
+)
+from dora.rollout.estimates import LengthRecorder
+from dora.rollout.generator import request_queue_spec
+from dora.rollout.migrator import Migrator
+from dora.rollout.orchestrator import DEFAULT_CONFIG, OrchestratorConfig, plan
+from dora.rollout.state import ClusterState, EngineView, RequestView
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class OrchestratorServiceConfig:
+    """How often to plan and when an engine counts as gone."""
+
+    tick_s: float = 0.25
+    engine_timeout_s: float = 5.0
+    command_timeout_s: float = 10.0
+    policy: OrchestratorConfig = field(default_factory=lambda: DEFAULT_CONFIG)
+
+
+@dataclass
+class _Memory:
+    """Hysteresis inputs the status events do not carry."""
+
+    assigned_at: dict[str, float] = field(default_factory=dict)
+    migrated_at: dict[str, float] = field(default_factory=dict)
+    priority: dict[str, int] = field(default_factory=dict)
+    migrating: set[str] = field(default_factory=set)
+
+
+class OrchestratorService:
+    """``await run()`` until ``stop()``; ``actions`` keeps everything it decided."""
+
+    def __init__(self, bus: Bus, config: OrchestratorServiceConfig | None = None) -> None:
+        self.bus = bus
+        self.config = config or OrchestratorServiceConfig()
+        self.migrator = Migrator(bus, timeout_s=self.config.command_timeout_s)
+        self.status: dict[str, tuple[EngineStatus, float]] = {}
+        self.lengths = LengthRecorder()
+        self.memory = _Memory()
+        self.actions: list[tuple[float, Action]] = []
+        self.ledger: Ledger | None = None
+        self._queues: dict[int, object] = {}
+        self._stop = asyncio.Event()
+        self._migrations: set[asyncio.Task[None]] = set()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        status_sub = await self.bus.subscribe(self.bus.subjects.status_all)
+        lengths = await self.bus.consumer(
+            ConsumerSpec("orchestrator", self.bus.subjects.trajectories)
+        )
+        tasks = [
+            asyncio.create_task(self._watch_status(status_sub)),
+            asyncio.create_task(self._watch_lengths(lengths)),
+        ]
+        try:
+            while not self._stop.is_set():
+                await self.tick()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self.config.tick_s)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, *self._migrations, return_exceptions=True)
+            await status_sub.unsubscribe()
+            await lengths.close()
+            for consumer in self._queues.values():
+                await consumer.close()  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ inputs
+
+    async def _watch_status(self, sub: Subscription) -> None:
+        async for msg in sub:
+            try:
+                status = EngineStatus.model_validate_json(msg.data)
+            except ValueError as exc:
+                log.warning("bad_status", error=str(exc))
+                continue
+            self.status[status.engine_id] = (status, time.monotonic())
+
+    async def _watch_lengths(self, consumer: object) -> None:
+        while True:
+            for msg in await consumer.fetch(batch=256, timeout=1.0):  # type: ignore[attr-defined]
+                with contextlib.suppress(ValueError):
+                    traj = Trajectory.model_validate_json(msg.data)
+                    self.lengths.add(len(traj.completion_token_ids))
+                await msg.ack()
+
+    async def _read_ledger(self) -> Ledger | None:
+        raw = await self.bus.kv_get("ledger")
+        return None if raw is None else Ledger.model_validate_json(raw)
+
+    async def _queue_depth(self, version: int) -> int:
+        if version not in self._queues:
+            spec = request_queue_spec(self.bus.subjects, version)
+            self._queues[version] = await self.bus.consumer(spec)
+        state = await self._queues[version].state()  # type: ignore[attr-defined]
+        return int(state.pending)
+
+    # ------------------------------------------------------------------ state
+
+    async def build_state(self) -> ClusterState:
+        """The ``plan`` input from what the bus told us most recently."""
+        now = time.monotonic()
+        self.ledger = await self._read_ledger() or self.ledger
+        ledger = self.ledger
+        learner_step = ledger.learner_step if ledger else 0
+        versions = {v.version for v in ledger.versions} if ledger else set()
+        engines = []
+        for engine_id, (status, seen) in sorted(self.status.items()):
+            gone = now - seen > self.config.engine_timeout_s
+            engines.append(self._view(status, "stopped" if gone else None))
+            if status.assigned_version is not None:
+                versions.add(status.assigned_version)
+        depths = {v: await self._queue_depth(v) for v in sorted(versions)}
+        return ClusterState(
+            now=now,
+            engines=tuple(engines),
+            queue_depths=depths,
+            newest_version=learner_step,
+            learner_step=learner_step,
+            staleness_bound=ledger.staleness_bound if ledger else 1,
+            lengths=self.lengths.model(),
+        )
+
+    def _view(self, status: EngineStatus, override: str | None) -> EngineView:
+        requests = tuple(
+            RequestView(
+                request_id=r.request_id,
+                version=r.version,
+                generated=r.generated,
+                max_tokens=r.max_tokens,
+                kv_blocks=r.kv_blocks,
+                priority=self.memory.priority.get(r.request_id, 0),
+                dispatched_at=r.dispatched_at,
+                last_migrated_at=self.memory.migrated_at.get(r.request_id),
+            )
+            for r in status.requests
+            if r.request_id not in self.memory.migrating
+        )
+        return EngineView(
+            engine_id=status.engine_id,
+            state=override or status.state,  # type: ignore[arg-type]
+            version=status.version,
+            assigned_version=status.assigned_version,
+            kv_blocks_total=status.kv_blocks_total,
+            kv_blocks_used=status.kv_blocks_used,
+            block_size=status.block_size,
+            max_running=status.max_running,
+            tokens_per_s=status.tokens_per_s,
+            waiting=status.waiting,
+            requests=requests,
+            assigned_at=self.memory.assigned_at.get(status.engine_id),
+        )
+
+    # ------------------------------------------------------------------ acting
+
+    async def tick(self) -> list[Action]:
+        """One round: build the state, plan, apply."""
+        if not self.status:
+            return []
+        state = await self.build_state()
+        actions = plan(state, self.config.policy)
+        for action in actions:
+            self.actions.append((state.now, action))
+            await self._apply(action, state.now)
+        return actions
+
+    async def _apply(self, action: Action, now: float) -> None:
+        match action:
+            case AssignEngine(engine_id=engine_id, version=version):
+                if await self._send(engine_id, action.to_command()):
+                    self.memory.assigned_at[engine_id] = now
+                    self._optimistic(engine_id, assigned=version, state="serving")
+            case DrainEngine(engine_id=engine_id):
+                if await self._send(engine_id, action.to_command()):
+                    self._optimistic(engine_id, state="draining")
+            case PrioritizeRequests(engine_id=engine_id, request_ids=ids, priority=priority):
+                if await self._send(engine_id, action.to_command()):
+                    self.memory.priority.update(dict.fromkeys(ids, priority))
+            case MigrateRequests(request_ids=ids):
+                self.memory.migrating.update(ids)
+                task = asyncio.create_task(self._migrate(action))
+                self._migrations.add(task)
+                task.add_done_callback(self._migrations.discard)
+
+    def _optimistic(self, engine_id: str, **update: object) -> None:
+        """Apply a command's effect to our copy until the engine's next status confirms it."""
+        if engine_id in self.status:
+            status, seen = self.status[engine_id]
+            fields = {"assigned_version": update.get("assigned", status.assigned_version)}
+            if "state" in update:
+                fields["state"] = update["state"]
+            self.status[engine_id] = (status.model_copy(update=fields), seen)
+
+    async def _send(self, engine_id: str, command: Event) -> bool:
+        try:
+            raw = await self.bus.request(
+                self.bus.subjects.control(engine_id),
+                command.model_dump_json().encode(),
+                timeout=self.config.command_timeout_s,
+            )
+        except Exception as exc:
+            log.warning("command_failed", engine=engine_id, error=str(exc))
+            return False
+        reply = ControlReply.model_validate_json(raw)
+        if not reply.ok:
+            log.warning("command_refused", engine=engine_id, error=reply.error)
+        return reply.ok
+
+    async def _migrate(self, action: MigrateRequests) -> None:
+        try:
+            outcomes = await self.migrator.execute(action.to_command())
+            now = time.monotonic()
+            for outcome in outcomes:
+                self.memory.migrated_at[outcome.request_id] = now
+        finally:
+            self.memory.migrating.difference_update(action.request_ids)
