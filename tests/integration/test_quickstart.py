@@ -55,3 +55,23 @@ async def test_quickstart_against_a_given_server(
     assert summary["completed"]
     assert summary["stages"]["sink"]["count"] == COUNT
     assert not (tmp_path / "r" / "nats").exists()  # no embedded server was started
+
+
+async def test_custom_pipeline_example_runs(repo_root: Path, tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "custom_pipeline", repo_root / "examples" / "custom_pipeline.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    summary = await module.main(count=10, run_dir=tmp_path / "custom")
+    assert summary["completed"]
+    assert summary["stages"]["tally"] == {
+        "right": 10,
+        "wrong": 0,
+        "replicas": 1,
+        "stats": summary["stages"]["tally"]["stats"],
+    }
+    assert (tmp_path / "custom" / "summary.json").is_file()
