@@ -140,7 +140,7 @@ class OrchestratorService:
         learner_step = ledger.learner_step if ledger else 0
         versions = {v.version for v in ledger.versions} if ledger else set()
         engines = []
-        for engine_id, (status, seen) in sorted(self.status.items()):
+        for _, (status, seen) in sorted(self.status.items()):
             gone = now - seen > self.config.engine_timeout_s
             engines.append(self._view(status, "stopped" if gone else None))
             if status.assigned_version is not None:
