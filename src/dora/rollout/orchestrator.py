@@ -85,6 +85,11 @@ class OrchestratorConfig:
     min_newest_engines: int = 1
     consolidate_without_demand: bool = False
     """Consolidate even when no queue needs the freed engines (default: do not)."""
+    migrate: bool = True
+    """Consolidate by KV migration (False: the no-migration ablation)."""
+    reassign_busy_to_newest: bool = False
+    """Partial-rollout baseline: assign every engine the newest version at once (its running
+    requests are resumed under the new weights by the generator, with re-prefill)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -124,7 +129,7 @@ class _Planner:
         self.migrated = 0
         self.taken: set[str] = set()
         self.queues = {v: d for v, d in state.queue_depths.items() if d > 0}
-        self.pullers: dict[int, list[EngineView]] = defaultdict(list)
+        self.pullers: dict[int, dict[str, EngineView]] = defaultdict(dict)
         self.free_slots: dict[int, int] = defaultdict(int)
         self.holders: dict[int, list[EngineView]] = defaultdict(list)
         self.draining: dict[int, list[EngineView]] = defaultdict(list)
@@ -140,7 +145,7 @@ class _Planner:
                 self.holders[loaded].append(e)
             pv = e.pulls
             if pv is not None:
-                self.pullers[pv].append(e)
+                self.pullers[pv][e.engine_id] = e
                 self.free_slots[pv] += max(0, slots(e, config) - run - e.waiting)
             if e.state == "draining" and e.version is not None:
                 self.draining[e.version].append(e)
@@ -160,10 +165,9 @@ class _Planner:
     def assign(self, e: EngineView, version: int, reason: str) -> None:
         """Record an assignment and keep the pullers/slots bookkeeping in step."""
         old = e.pulls
-        if old is not None and e in self.pullers[old]:
-            self.pullers[old].remove(e)
+        if old is not None and self.pullers[old].pop(e.engine_id, None) is not None:
             self.free_slots[old] -= max(0, slots(e, self.config) - e.running - e.waiting)
-        self.pullers[version].append(e)
+        self.pullers[version][e.engine_id] = e
         self.free_slots[version] += max(0, slots(e, self.config) - e.running - e.waiting)
         self.taken.add(e.engine_id)
         if not (e.state in ("serving", "loading") and e.assigned_version == version):
@@ -183,14 +187,17 @@ class _Planner:
                 best = e
         return best
 
-    def take_busy(self, version: int, respect_cooldown: bool) -> EngineView | None:
-        """Least-loaded engine pulling a version that keeps another puller (or needs none)."""
+    def take_busy(
+        self, version: int, respect_cooldown: bool, keep_newest: bool = True
+    ) -> EngineView | None:
+        """Least-loaded engine pulling a version that keeps another puller (or needs none);
+        with ``keep_newest`` the newest version's last puller is kept too."""
         best: EngineView | None = None
-        for v, engines in self.pullers.items():
+        for v in sorted(self.pullers):
             if v == version:
                 continue
-            live = [e for e in engines if e.engine_id not in self.taken]
-            if len(live) < 2 and v in self.queues:
+            live = [e for e in self.pullers[v].values() if e.engine_id not in self.taken]
+            if len(live) < 2 and (v in self.queues or (keep_newest and v == self.newest)):
                 continue
             for e in live:
                 if respect_cooldown and self.cooling(e):
@@ -210,8 +217,18 @@ class _Planner:
         self.newest_present()
         self.prioritize_urgent()
         self.place_free()
-        self.consolidate()
+        if self.config.reassign_busy_to_newest:
+            self.all_to_newest()
+        elif self.config.migrate:
+            self.consolidate()
         return self.actions
+
+    def all_to_newest(self) -> None:
+        for e in self.usable:
+            if e.engine_id in self.taken or e.pulls == self.newest or not self.room():
+                continue
+            if e.state in ("serving", "loading", "draining", "idle"):
+                self.assign(e, self.newest, "partial-rollout")
 
     def serve_queues(self) -> None:
         for v in sorted(self.queues):
@@ -235,10 +252,9 @@ class _Planner:
                     ),
                     None,
                 )
-            if pick is None:
-                pick = self.take_busy(v, respect_cooldown=True) or self.take_busy(
-                    v, respect_cooldown=False
-                )
+            for cooldown, keep in ((True, True), (False, True), (False, False)):
+                if pick is None:
+                    pick = self.take_busy(v, respect_cooldown=cooldown, keep_newest=keep)
             if pick is not None:
                 self.assign(pick, v, "serve-queue")
 
@@ -292,7 +308,7 @@ class _Planner:
         if not pullers:
             return True
         per_req = self.config.decode_tokens_per_s
-        rate = sum(slots(e, self.config) for e in pullers) * per_req
+        rate = sum(slots(e, self.config) for e in pullers.values()) * per_req
         tokens = self.queues.get(version, 0) * max(mean_length, 1.0)
         return tokens / rate > self.config.weight_load_s
 
@@ -324,7 +340,7 @@ class _Planner:
                 for e in engines
                 if e.occupancy < cfg.consolidate_below
                 and not (e.assigned_version == v and self.cooling(e))
-                and (e.engine_id not in self.taken or e.assigned_version == self.newest)
+                and e.engine_id not in self.taken
             ]
             if not targets or not sources:
                 continue
@@ -359,7 +375,7 @@ class _Planner:
             by_target: dict[str, list[RequestView]] = defaultdict(list)
             for tid, r in placed:
                 by_target[tid].append(r)
-            reassign = src.assigned_version != self.newest and src.engine_id not in self.taken
+            reassign = src.assigned_version != self.newest or src.state != "serving"
             if not self.room(len(by_target) + int(reassign)):
                 self.unplace(placed, blocks, seats, src)
                 return False

@@ -1,0 +1,285 @@
+"""Rule-by-rule tests of the orchestrator policy on small hand-built fleets."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dora import events
+from dora.rollout.actions import AssignEngine, MigrateRequests, PrioritizeRequests
+from dora.rollout.estimates import LengthModel, LengthRecorder
+from dora.rollout.orchestrator import OrchestratorConfig, plan
+from dora.rollout.state import ClusterState, EngineView, RequestView
+
+LONG_TAIL = LengthModel.from_lengths([50] * 50 + [200] * 30 + [2000] * 20)
+
+
+def req(rid: str, version: int, generated: int = 100, blocks: int = 8, **kw) -> RequestView:
+    return RequestView(rid, version, generated, kw.pop("max_tokens", 4096), blocks, **kw)
+
+
+def eng(
+    eid: str,
+    version: int | None,
+    requests: tuple[RequestView, ...] = (),
+    *,
+    state: str = "serving",
+    assigned: int | str | None = "same",
+    total: int = 1000,
+    max_running: int = 16,
+    **kw,
+) -> EngineView:
+    used = kw.pop("used", sum(r.kv_blocks for r in requests))
+    return EngineView(
+        eid,
+        state,  # type: ignore[arg-type]
+        version,
+        version if assigned == "same" else assigned,  # type: ignore[arg-type]
+        total,
+        used,
+        max_running=max_running,
+        requests=requests,
+        **kw,
+    )
+
+
+def cluster(*engines: EngineView, queues=None, newest=1, step=None, k=2, now=1000.0):
+    return ClusterState(
+        now=now,
+        engines=tuple(engines),
+        queue_depths=queues or {},
+        newest_version=newest,
+        learner_step=newest if step is None else step,
+        staleness_bound=k,
+        lengths=LONG_TAIL,
+    )
+
+
+def assigns(actions) -> dict[str, int]:
+    return {a.engine_id: a.version for a in actions if isinstance(a, AssignEngine)}
+
+
+def full(prefix: str, version: int, n: int = 14) -> tuple[RequestView, ...]:
+    return tuple(req(f"{prefix}{i}", version, 10, 40) for i in range(n))
+
+
+# ---------------------------------------------------------------------- serve / idle rules
+
+
+def test_idle_engine_goes_to_newest_queue() -> None:
+    state = cluster(eng("a", 1, full("a", 1)), eng("b", None, state="idle"), queues={1: 40})
+    assert assigns(plan(state)) == {"b": 1}
+
+
+def test_idle_engine_with_nothing_queued_preloads_newest() -> None:
+    state = cluster(eng("a", 1, full("a", 1)), eng("b", None, state="idle"))
+    assert assigns(plan(state)) == {"b": 1}
+
+
+def test_old_engine_with_no_work_moves_to_newest() -> None:
+    state = cluster(eng("a", 1, full("a", 1)), eng("b", 0), queues={1: 5})
+    assert assigns(plan(state)) == {"b": 1}
+
+
+def test_queue_without_puller_gets_engine_holding_its_weights_first() -> None:
+    state = cluster(
+        eng("a", 1, full("a", 1)),
+        eng("b", 1, state="idle", assigned=None),
+        eng("c", 0, state="idle", assigned=None),
+        queues={0: 3, 1: 40},
+        step=1,
+    )
+    actions = plan(state)
+    assert assigns(actions)["c"] == 0  # no weight load needed for version 0
+    assert assigns(actions)["b"] == 1
+
+
+def test_draining_engine_is_undrained_to_serve_its_queue() -> None:
+    state = cluster(
+        eng("a", 1, full("a", 1)),
+        eng("d", 0, (req("x", 0),), state="draining"),
+        queues={0: 4},
+    )
+    assert assigns(plan(state)) == {"d": 0}
+
+
+def test_unserved_version_takes_least_loaded_busy_engine_not_in_cooldown() -> None:
+    state = cluster(
+        eng("a", 1, full("a", 1, 12)),
+        eng("b", 1, full("b", 1, 3), assigned_at=995.0),  # cooling (assigned 5 s ago)
+        eng("c", 1, full("c", 1, 5)),
+        queues={0: 4, 1: 100},
+    )
+    assert assigns(plan(state)) == {"c": 0}
+
+
+def test_last_puller_of_a_queued_version_is_never_taken() -> None:
+    state = cluster(eng("a", 1, full("a", 1, 2)), queues={1: 10, 0: 3})
+    # One engine, two queued versions: taking it would leave version 1 unserved instead.
+    assert assigns(plan(state)) == {}
+
+
+def test_newest_gets_an_engine_so_the_dispatcher_can_tag_it() -> None:
+    state = cluster(
+        eng("a", 0, full("a", 0, 12)),
+        eng("b", 0, full("b", 0, 4)),
+        newest=1,
+        queues={},
+    )
+    assert assigns(plan(state)) == {"b": 1}
+
+
+# ---------------------------------------------------------------------- urgency
+
+
+def test_urgent_requests_are_prioritized_once() -> None:
+    urgent = eng("a", 0, (req("u1", 0), req("u2", 0, priority=10)))
+    fresh = eng("b", 2, (req("f1", 2),))
+    state = cluster(urgent, fresh, newest=2, step=2, k=2)
+    prio = [a for a in plan(state) if isinstance(a, PrioritizeRequests)]
+    assert prio == [PrioritizeRequests("a", ("u1",), 10, "urgent")]
+
+
+def test_nothing_urgent_before_the_horizon() -> None:
+    state = cluster(eng("a", 1, (req("r", 1),)), newest=2, step=2, k=2)
+    assert not [a for a in plan(state) if isinstance(a, PrioritizeRequests)]
+    cfg = OrchestratorConfig(urgency_horizon_steps=1)
+    assert [a for a in plan(state, cfg) if isinstance(a, PrioritizeRequests)]
+
+
+# ---------------------------------------------------------------------- consolidation
+
+
+def tail_fleet(**kw) -> ClusterState:
+    """Version 0's long tail spread thin over three engines; version 1 has a deep queue."""
+    return cluster(
+        eng("t0", 0, (req("x1", 0, 900, 60),), **kw),
+        eng("t1", 0, (req("x2", 0, 800, 60), req("x3", 0, 700, 50)), **kw),
+        eng("t2", 0, (req("x4", 0, 1000, 70), *full("y", 0, 6)), **kw),
+        eng("n0", 1, full("n", 1, 16)),
+        queues={1: 200},
+        newest=1,
+        k=4,
+    )
+
+
+def test_long_tail_is_consolidated_and_freed_engines_load_newest() -> None:
+    actions = plan(tail_fleet())
+    migrations = [a for a in actions if isinstance(a, MigrateRequests)]
+    assert {m.source for m in migrations} == {"t0", "t1"}
+    assert {m.target for m in migrations} == {"t2"}
+    assert all(m.version == 0 for m in migrations)
+    moved = {rid for m in migrations for rid in m.request_ids}
+    assert moved == {"x1", "x2", "x3"}
+    assert assigns(actions) == {"t0": 1, "t1": 1}
+
+
+def test_no_consolidation_without_demand_for_the_freed_engines() -> None:
+    state = tail_fleet()
+    idle_queue = _replace(state, queue_depths={})
+    assert not [a for a in plan(idle_queue) if isinstance(a, MigrateRequests)]
+
+
+def test_recently_migrated_request_is_not_moved_again() -> None:
+    state = tail_fleet()
+    engines = list(state.engines)
+    engines[0] = eng("t0", 0, (req("x1", 0, 900, 60, last_migrated_at=990.0),))
+    moved = {
+        rid
+        for a in plan(_replace(state, engines=tuple(engines)))
+        if isinstance(a, MigrateRequests)
+        for rid in a.request_ids
+    }
+    assert "x1" not in moved and moved == {"x2", "x3"}
+
+
+def test_migration_must_pay_for_itself() -> None:
+    cfg = OrchestratorConfig(migration_s_per_request=100.0)
+    assert not [a for a in plan(tail_fleet(), cfg) if isinstance(a, MigrateRequests)]
+
+
+def test_urgent_tail_is_not_migrated_by_default() -> None:
+    state = _replace(tail_fleet(), staleness_bound=1, learner_step=1)
+    actions = plan(state)
+    assert not [a for a in actions if isinstance(a, MigrateRequests)]
+    assert [a for a in actions if isinstance(a, PrioritizeRequests)]
+
+
+def test_target_kv_capacity_is_respected() -> None:
+    cfg = OrchestratorConfig(target_fill=0.2)  # t2 may grow to 200 blocks only
+    for a in plan(tail_fleet(total=1000), cfg):
+        if isinstance(a, MigrateRequests):
+            assert a.kv_blocks <= 200
+
+
+def test_migration_disabled_for_ablation() -> None:
+    actions = plan(tail_fleet(), OrchestratorConfig(migrate=False))
+    assert not [a for a in actions if isinstance(a, MigrateRequests)]
+
+
+# ---------------------------------------------------------------------- bounds, modes, API
+
+
+def test_actions_are_bounded_and_deterministic() -> None:
+    engines = [eng(f"i{i:02d}", None, state="idle") for i in range(30)]
+    state = cluster(*engines, queues={1: 1000})
+    assert len(plan(state, OrchestratorConfig(max_actions=7))) == 7
+    shuffled = engines[:]
+    random.Random(3).shuffle(shuffled)
+    assert plan(state) == plan(cluster(*shuffled, queues={1: 1000}))
+
+
+def test_partial_mode_moves_every_engine_to_newest() -> None:
+    state = cluster(eng("a", 0, full("a", 0)), eng("b", 1, full("b", 1)), newest=1)
+    cfg = OrchestratorConfig(reassign_busy_to_newest=True)
+    assert assigns(plan(state, cfg)) == {"a": 1}
+
+
+def test_actions_map_to_wire_commands() -> None:
+    cmd = MigrateRequests("a", "b", 3, ("r1",), 4).to_command()
+    assert isinstance(cmd, events.Migrate)
+    assert (cmd.source, cmd.target, cmd.version, cmd.request_ids) == ("a", "b", 3, ("r1",))
+    assert AssignEngine("e", 2).to_command().version == 2
+    assert PrioritizeRequests("e", ("r",), 10).to_command().priority == 10
+
+
+def test_bad_config_and_state_name_the_field() -> None:
+    with pytest.raises(ValueError, match="target_fill"):
+        OrchestratorConfig(target_fill=0.0)
+    with pytest.raises(ValueError, match="assign_cooldown_s"):
+        OrchestratorConfig(assign_cooldown_s=-1)
+    with pytest.raises(ValueError, match="duplicate engine_id"):
+        cluster(eng("a", 0), eng("a", 0))
+    with pytest.raises(ValueError, match="queue_depths"):
+        cluster(eng("a", 0), queues={0: -1})
+    with pytest.raises(ValueError, match="state"):
+        eng("a", 0, state="sleeping")
+
+
+# ---------------------------------------------------------------------- estimates
+
+
+def test_remaining_is_conditional_on_length_so_far() -> None:
+    model = LengthModel.from_lengths([10, 20, 30, 1000])
+    assert model.remaining(0, 4096) == pytest.approx(265.0)
+    assert model.remaining(25, 4096) == pytest.approx((30 + 1000) / 2 - 25)
+    assert model.remaining(500, 4096) == pytest.approx(500.0)
+    assert model.remaining(500, 600) == 100.0  # capped by max_tokens
+    assert model.remaining(2000, 3000) == 500.0  # beyond data: half of what is left
+    assert LengthModel().remaining(0, 100) == 50.0
+
+
+def test_recorder_keeps_a_window() -> None:
+    rec = LengthRecorder(window=3)
+    for n in (1, 2, 3, 4):
+        rec.add(n)
+    assert rec.model().lengths == (2, 3, 4)
+    with pytest.raises(ValueError, match="length"):
+        rec.add(-1)
+
+
+def _replace(state: ClusterState, **kw) -> ClusterState:
+    from dataclasses import replace
+
+    return replace(state, **kw)
