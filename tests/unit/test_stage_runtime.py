@@ -275,3 +275,36 @@ async def test_unknown_subject_family_is_refused(bus: MemoryBus) -> None:
 
     with pytest.raises(StageError, match="unknown family 'nowhere'"):
         await StageRunner(lost, bus).prepare()
+
+
+async def test_message_that_outlived_its_deliveries_is_dead_lettered(bus: MemoryBus) -> None:
+    """Deliveries that died with their process (never settled) still end in a dead letter."""
+    rec = Recorder(retry=RetryPolicy(max_deliver=2, ack_wait_s=0.05))
+    dl = await bus.consumer(ConsumerSpec("dl", bus.subjects.deadletter))
+    await bus.publish_event(bus.subjects.prompts, prompt(0))
+    runner = StageRunner(rec, bus)
+    crashed = await bus.consumer(runner.consumer_spec())
+    for _ in range(2):  # two deliveries taken by "processes" that died before settling
+        assert len(await crashed.fetch(batch=1, timeout=2.0)) == 1
+    await run_until(runner, lambda: runner.stats.dead_lettered == 1)
+    assert rec.seen == []  # the handler is not tried again
+    (msg,) = await dl.fetch(batch=5)
+    letter = DeadLetter.model_validate_json(msg.data)
+    assert letter.deliveries == 3 and "without being settled" in letter.reason
+
+
+async def test_log_context_is_bound_per_message(bus: MemoryBus) -> None:
+    from structlog.testing import capture_logs
+
+    @stage(consumes="prompts")
+    async def chatty(p: Prompt, ctx: Context) -> None:
+        ctx.log.info("handling")
+
+    await bus.publish_event(bus.subjects.prompts, prompt(7))
+    runner = StageRunner(chatty, bus)
+    with capture_logs() as logs:
+        await run_until(runner, lambda: runner.stats.processed == 1)
+    (entry,) = [e for e in logs if e["event"] == "handling"]
+    assert entry["run"] == "unit" and entry["stage"] == "chatty"
+    assert entry["subject"] == bus.subjects.prompts and entry["event_id"] == "p7"
+    assert entry["deliveries"] == 1

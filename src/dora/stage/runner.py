@@ -27,6 +27,9 @@ from dora.stage.deadletter import build_dead_letter, validation_reason
 
 log = structlog.get_logger(__name__)
 
+CRASH_SLACK = 3
+"""Deliveries the consumer allows beyond ``RetryPolicy.max_deliver`` (see ``consumer_spec``)."""
+
 
 def iter_emitted(result: Emitted) -> Iterable[Event]:
     if result is None:
@@ -76,7 +79,9 @@ class StageRunner:
             durable=self.stage.name,
             filter_subject=self.subject,
             max_ack_pending=self.stage.concurrency * self.replicas,
-            max_deliver=retry.max_deliver,
+            # a few spare deliveries: a message whose last attempt died with its process comes
+            # back once more and is dead-lettered then, instead of being dropped by the server
+            max_deliver=retry.max_deliver + CRASH_SLACK,
             ack_wait_s=retry.ack_wait_s,
         )
 
@@ -178,6 +183,14 @@ class StageRunner:
     async def _process_bound(self, msg: Message) -> None:
         model = self.stage.input_model
         assert model is not None
+        limit = self.stage.retry.max_deliver
+        if msg.num_delivered > limit:
+            reason = (
+                f"delivered {msg.num_delivered} times (limit {limit}) without being settled: "
+                "the stage crashed or ran past its ack wait on it each time"
+            )
+            await self._dead_letter(msg, reason)
+            return
         try:
             event = model.model_validate_json(msg.data)
         except ValidationError as exc:
