@@ -93,6 +93,26 @@ class Subjects:
     def kv_bucket(self) -> str:
         return f"dora_{self.run}_state".replace("-", "_")
 
+    def resolve(self, name: str) -> str:
+        """A subject (or wildcard pattern) from what a person types: a full subject
+        (``dora.r1.scored``), a family (``trajectories``; ``requests``, ``status``, ``control``
+        and ``rpc`` mean all of theirs) or a family with its rest (``requests.v3``, ``status.e0``).
+        """
+        if name.startswith("dora."):
+            return name
+        family, _, rest = name.partition(".")
+        if family not in DURABLE_FAMILIES and family not in LIVE_FAMILIES:
+            known = ", ".join((*DURABLE_FAMILIES, *LIVE_FAMILIES))
+            raise ValueError(f"unknown subject family {family!r}; expected one of: {known}")
+        if rest:
+            return f"{self.root}.{family}.{rest}"
+        if family in FAMILIES_WITH_CHILDREN:
+            return f"{self.root}.{family}.*"
+        return self.family(family)
+
+    def family(self, family: str) -> str:
+        return f"{self.root}.{_check_token(family, 'subject family')}"
+
     def family_of(self, subject: str) -> str:
         """The stream family a subject belongs to (``requests`` for ``requests.v3``)."""
         prefix = self.root + "."
@@ -112,3 +132,9 @@ DURABLE_FAMILIES = (
     "metrics",
 )
 """Families that JetStream persists; the rest (status, control, rpc) are live core subjects."""
+
+LIVE_FAMILIES = ("status", "control", "rpc")
+"""Core-NATS families: not stored, seen only while subscribed."""
+
+FAMILIES_WITH_CHILDREN = ("requests", "status", "control", "rpc")
+"""Families whose subjects carry one more token (a version, an engine, an rpc name)."""

@@ -171,10 +171,18 @@ class NatsBus(Bus):
     """JetStream-backed bus; ``url`` of a running nats-server with JetStream enabled."""
 
     def __init__(
-        self, subjects: Subjects, url: str, streams: tuple[StreamSpec, ...] | None = None
+        self,
+        subjects: Subjects,
+        url: str,
+        streams: tuple[StreamSpec, ...] | None = None,
+        *,
+        create_streams: bool = True,
     ) -> None:
+        """``create_streams=False`` for observers (``dora tail``) of a run started elsewhere:
+        they must not create or reconfigure its streams."""
         super().__init__(subjects, streams)
         self.url = url
+        self.create_streams = create_streams
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._objects: ObjectStore | None = None
@@ -199,8 +207,9 @@ class NatsBus(Bus):
             servers=[self.url], max_reconnect_attempts=-1, reconnect_time_wait=0.2, name="dora"
         )
         self._js = self._nc.jetstream(timeout=10.0)
-        for spec in self.streams:
-            await self._ensure_stream(spec)
+        if self.create_streams:
+            for spec in self.streams:
+                await self._ensure_stream(spec)
 
     async def _ensure_stream(self, spec: StreamSpec) -> None:
         family = f"{self.subjects.root}.{spec.family}"

@@ -6,6 +6,7 @@ interpreter), from ``PATH``, or from ``DORA_NATS_SERVER``.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -54,6 +55,20 @@ def find_nats_server() -> Path:
     )
 
 
+def running_server_url(store_dir: Path) -> str | None:
+    """The URL of a nats-server running with its store in ``store_dir`` (from the ports file
+    it writes there while it runs), so tools like ``dora tail`` can find a run's embedded
+    server; None when there is none."""
+    for ports_file in sorted(Path(store_dir).glob("*.ports")):
+        try:
+            urls = json.loads(ports_file.read_text()).get("nats", [])
+        except (OSError, ValueError):
+            continue
+        if urls:
+            return str(urls[0])
+    return None
+
+
 def free_port() -> int:
     """A loopback TCP port nobody listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -99,25 +114,35 @@ class NatsServer:
                 "-js",
                 "-sd",
                 str(self.store_dir),
+                "--ports_file_dir",
+                str(self.store_dir),
             ],
             stdout=log_file,
             stderr=subprocess.STDOUT,
         )
+        # Ready means *our* process wrote its ports file: a port that merely accepts
+        # connections may belong to another server (then ours fails to bind and exits).
+        ports_file = self.store_dir / f"{self.binary.name}_{self._proc.pid}.ports"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise NatsServerFailed(
-                    f"nats-server exited with {self._proc.returncode}; "
-                    f"see {self.store_dir / 'nats-server.log'}"
+                    f"nats-server exited with {self._proc.returncode} "
+                    f"(port {self.port} in use?); see {self.store_dir / 'nats-server.log'}"
                 )
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    log.info("nats-server started", url=self.url, store=str(self.store_dir))
-                    return self
-            except OSError:
-                time.sleep(0.02)
+            if ports_file.is_file() and self._listens_on_port(ports_file):
+                log.info("nats-server started", url=self.url, store=str(self.store_dir))
+                return self
+            time.sleep(0.02)
         self.stop()
         raise NatsServerFailed(f"nats-server did not accept connections within {timeout}s")
+
+    def _listens_on_port(self, ports_file: Path) -> bool:
+        try:
+            urls = json.loads(ports_file.read_text()).get("nats", [])
+        except (OSError, ValueError):
+            return False  # being written
+        return any(url.rsplit(":", 1)[-1] == str(self.port) for url in urls)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (JetStream flushes), then SIGKILL if it does not exit."""
