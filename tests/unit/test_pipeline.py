@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from dora.bus import MemoryBus
-from dora.events import Prompt, ScoredTrajectory
+from dora.events import Prompt, ScoredTrajectory, Trajectory
 from dora.pipeline import Pipeline, PipelineConfigError, PipelineError, load_pipeline
 from dora.registry import stage_types
-from dora.stage import Context, Stage, StageError, derived_id, stage
+from dora.stage import Context, Reject, Stage, StageError, derived_id, stage
+from dora.stages import CountingSink, PromptSource, RuleGenerator, VerifierStage
 from dora.subjects import Subjects
 
 
@@ -146,3 +147,22 @@ def test_dotted_path_and_overrides(tmp_path: Path) -> None:
     (only,) = pipe.stages
     assert (only.name, only.concurrency, only.retry.max_deliver) == ("renamed", 3, 7)
     assert pipe.run_id == "r1" and pipe.name == "custom"
+
+
+class PickyGenerator(RuleGenerator):
+    name = "generator"
+
+    async def handle(self, prompt: Prompt, ctx: Context) -> Trajectory:
+        if prompt.prompt_id.endswith(("0", "2", "4", "6", "8")):
+            raise Reject("even prompts are refused")
+        return await super().handle(prompt, ctx)
+
+
+async def test_sink_counting_dead_letters_completes_despite_rejections(bus: MemoryBus) -> None:
+    sink = CountingSink(expect=10, count_dead_letters=True)
+    pipe = Pipeline(bus=bus).add(PromptSource(count=10)).add(PickyGenerator()).add(VerifierStage())
+    summary = await pipe.add(sink).run()
+    assert summary["completed"]
+    assert summary["stages"]["sink"]["count"] == 5
+    assert summary["stages"]["sink"]["dead_letters"] == 5
+    assert summary["stages"]["generator"]["stats"]["dead_lettered"] == 5

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dora.events import ScoredTrajectory
+from dora.bus import Consumer, ConsumerSpec
+from dora.events import DeadLetter, ScoredTrajectory
 from dora.stage import Context, Stage
 
 
@@ -17,6 +20,11 @@ class CountingSinkConfig(BaseModel):
         default=None, ge=0, description="Complete after this many distinct events (None: never)."
     )
     print_every: int = Field(default=0, ge=0, description="Log every k-th event (0: never).")
+    count_dead_letters: bool = Field(
+        default=False,
+        description="Also count the run's dead letters toward `expect`, so a run whose "
+        "upstream stages dead-lettered some events still completes (and reports them).",
+    )
 
 
 class CountingSink(Stage):
@@ -37,10 +45,50 @@ class CountingSink(Stage):
         self.reward_sum = 0.0
         self.errors = 0
         self.redelivered = 0
+        self.dead: set[str] = set()
+        self._dead_task: asyncio.Task[None] | None = None
+        self._dead_consumer: Consumer | None = None
 
     @property
     def finite(self) -> bool:  # type: ignore[override]
         return self.config.expect is not None
+
+    async def setup(self, ctx: Context) -> None:
+        if self.config.count_dead_letters:
+            spec = ConsumerSpec(
+                f"{self.name}-deadletters", ctx.bus.subjects.deadletter, max_ack_pending=1024
+            )
+            self._dead_consumer = await ctx.bus.consumer(spec)
+            self._dead_task = asyncio.create_task(self._count_dead(ctx, self._dead_consumer))
+
+    async def teardown(self, ctx: Context) -> None:
+        if self._dead_task is not None:
+            self._dead_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._dead_task
+        if self._dead_consumer is not None:
+            await self._dead_consumer.close()
+
+    async def _count_dead(self, ctx: Context, consumer: Consumer) -> None:
+        while True:
+            try:
+                msgs = await consumer.fetch(batch=64, timeout=0.25)
+            except TimeoutError:
+                continue
+            for msg in msgs:
+                try:
+                    letter = DeadLetter.model_validate_json(msg.data)
+                    self.dead.add(letter.event_id)
+                    ctx.log.warning("dead letter", stage=letter.stage, reason=letter.reason[:200])
+                except ValidationError:
+                    self.dead.add(f"seq-{msg.stream_seq}")
+                await msg.ack()
+            self._check(ctx)
+
+    def _check(self, ctx: Context) -> None:
+        expect = self.config.expect
+        if expect is not None and len(self.seen) + len(self.dead) >= expect:
+            ctx.complete()
 
     async def handle(self, scored: ScoredTrajectory, ctx: Context) -> None:
         if scored.event_id in self.seen:
@@ -60,8 +108,7 @@ class CountingSink(Stage):
                 reward=scored.reward,
                 answer=prompt.answer,
             )
-        if self.config.expect is not None and count >= self.config.expect:
-            ctx.complete()
+        self._check(ctx)
 
     def progress_total(self) -> int | None:
         return self.config.expect
@@ -75,4 +122,5 @@ class CountingSink(Stage):
             "mean_reward": self.reward_sum / count if count else 0.0,
             "verifier_errors": self.errors,
             "redelivered": self.redelivered,
+            "dead_letters": len(self.dead),
         }
