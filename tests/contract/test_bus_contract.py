@@ -316,3 +316,12 @@ async def test_lease_settles_a_message_from_another_client(make_bus: BusFactory)
     assert [m.data for m in again] == [b"req2"]  # only the unsettled one comes back
     await again[0].ack()
     await other.close()
+
+
+async def test_live_subscribers_see_durable_publishes(bus: Bus) -> None:
+    sub = await bus.subscribe(bus.subjects.weights)
+    await bus.publish(bus.subjects.weights, b"v1", msg_id="w1")
+    async for msg in sub:
+        assert (msg.subject, msg.data) == (bus.subjects.weights, b"v1")
+        break
+    await sub.unsubscribe()

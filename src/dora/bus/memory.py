@@ -336,9 +336,7 @@ class MemoryBus(Bus):
         self._require()
         stream = self.broker.stream_for(subject)
         if stream is None:
-            for pattern, queue in list(self.broker.live):
-                if subject_matches(pattern, subject) and queue.qsize() < LIVE_QUEUE_LIMIT:
-                    queue.put_nowait(_LiveMessage(subject, data, headers))
+            self._fan_out(subject, data, headers)
             return None
         hdrs = dict(headers or {})
         now = time.monotonic()
@@ -363,8 +361,14 @@ class MemoryBus(Bus):
             stream.nbytes += len(data)
         if stream.spec.retention == "limits":
             stream.trim()
+        self._fan_out(subject, data, hdrs)  # as in NATS, live subscribers see stored messages
         await self.broker.notify()
         return PublishResult(stream.name, stream.seq)
+
+    def _fan_out(self, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
+        for pattern, queue in list(self.broker.live):
+            if subject_matches(pattern, subject) and queue.qsize() < LIVE_QUEUE_LIMIT:
+                queue.put_nowait(_LiveMessage(subject, data, headers))
 
     def _stream_of(self, subject: str) -> _Stream:
         """The stream of ``subject``'s family (wildcards allowed), like NatsBus resolves it."""
