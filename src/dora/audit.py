@@ -1,0 +1,305 @@
+"""The run recorder: every event of a run, one JSON line each, in ``<run_dir>/events/``.
+
+Why a recorder and not just the streams: streams are trimmed (work and interest retention
+delete what was consumed) and live subjects (engine status) are never stored, yet a report
+after the run needs all of it. The recorder is one more durable consumer (``recorder``) on the
+durable families, plus a live subscription to ``status.*``; it appends each payload to
+``events/<family>.jsonl`` and acks only what it has written (at-least-once: a crash means a
+redelivered line, which ``dora.report`` deduplicates by ``event_id``).
+
+It must never slow the pipeline: each family holds at most one fetched batch in memory (the
+consumer's ``max_ack_pending`` bounds the rest on the server), status is thinned per engine
+and dropped (counted) rather than queued when the writer falls behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import structlog
+
+from dora.bus.base import Bus, Consumer, ConsumerSpec, Message, Subscription
+
+log = structlog.get_logger(__name__)
+
+RECORDED_FAMILIES: tuple[str, ...] = (
+    "trajectories",
+    "scored",
+    "migrations",
+    "metrics",
+    "weights",
+    "deadletter",
+)
+"""Durable families the recorder keeps (prompts and requests are work queues: not audited)."""
+
+EVENTS_DIR = "events"
+STATUS_FILE = "status"
+LEDGER_FILE = "ledger"
+REJECTED_FILE = "rejected"
+LEDGER_KEY = "ledger"
+
+
+@dataclass
+class RecorderStats:
+    """What the recorder wrote, per file stem, and what it could not keep."""
+
+    written: dict[str, int] = field(default_factory=dict)
+    rejected: int = 0
+    status_thinned: int = 0
+    status_dropped: int = 0
+
+
+def _as_line(data: bytes) -> tuple[bytes | None, str]:
+    """The payload as one JSON line, or the reason it is not a JSON object."""
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return None, f"not JSON: {exc}"
+    if not isinstance(obj, dict):
+        return None, f"not a JSON object but {type(obj).__name__}"
+    if b"\n" in data or b"\r" in data:
+        data = json.dumps(obj, separators=(",", ":")).encode()
+    return data, ""
+
+
+class RunRecorder:
+    """Appends the events of one run to ``run_dir/events/<family>.jsonl``.
+
+    ``async with RunRecorder(bus, run_dir):`` records while the block runs; or ``await run()``
+    (records until ``stop()``). ``stop()`` drains what the streams still hold for it (up to
+    ``drain_timeout_s``), writes, acks and closes the files.
+    """
+
+    def __init__(
+        self,
+        bus: Bus,
+        run_dir: Path | str,
+        *,
+        families: tuple[str, ...] = RECORDED_FAMILIES,
+        status: bool = True,
+        ledger: bool = True,
+        durable: str = "recorder",
+        batch: int = 256,
+        status_interval_s: float = 0.5,
+        status_queue: int = 4096,
+        flush_interval_s: float = 0.5,
+        ledger_poll_s: float = 1.0,
+        drain_timeout_s: float = 10.0,
+        delete_consumers_on_stop: bool = False,
+    ) -> None:
+        self.bus = bus
+        self.dir = Path(run_dir) / EVENTS_DIR
+        self.families = tuple(f for f in families if bus.is_durable(self._subject(f)))
+        self.record_status = status
+        self.record_ledger = ledger
+        self.durable = durable
+        self.batch = batch
+        self.status_interval_s = status_interval_s
+        self.flush_interval_s = flush_interval_s
+        self.ledger_poll_s = ledger_poll_s
+        self.drain_timeout_s = drain_timeout_s
+        self.delete_consumers_on_stop = delete_consumers_on_stop
+        self.stats = RecorderStats()
+        self._files: dict[str, IO[bytes]] = {}
+        self._status_q: asyncio.Queue[Message] = asyncio.Queue(maxsize=status_queue)
+        self._status_last: dict[str, tuple[float, tuple[Any, ...]]] = {}
+        self._stopping = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._consumers: list[Consumer] = []
+        self._subscription: Subscription | None = None
+        self._receiver: asyncio.Task[None] | None = None
+        self._started = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Create the consumers and subscription, then record in background tasks."""
+        if self._started:
+            return
+        self._started = True
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for family in self.families:
+            spec = ConsumerSpec(
+                self.durable,
+                self._subject(family),
+                max_ack_pending=max(self.batch * 4, 1024),
+                ack_wait_s=60.0,
+            )
+            consumer = await self.bus.consumer(spec)
+            self._consumers.append(consumer)
+            self._spawn(self._record_family(family, consumer), f"recorder-{family}")
+        if self.record_status:
+            self._subscription = await self.bus.subscribe(self.bus.subjects.status_all)
+            self._receiver = self._spawn(
+                self._receive_status(self._subscription), "recorder-status-in"
+            )
+            self._spawn(self._write_status(), "recorder-status-out")
+        if self.record_ledger:
+            self._spawn(self._poll_ledger(), "recorder-ledger")
+        log.info("recorder_started", dir=str(self.dir), families=self.families)
+
+    def _subject(self, family: str) -> str:
+        return f"{self.bus.subjects.root}.{family}"
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.append(task)
+        return task
+
+    async def run(self) -> None:
+        """Record until ``stop()`` is called (from another task)."""
+        await self.start()
+        await self._stopping.wait()
+
+    async def stop(self) -> RecorderStats:
+        """Drain the durable families, write what is pending, ack it, close the files."""
+        self._stopping.set()
+        if self._subscription is not None:
+            await self._subscription.unsubscribe()
+        if self._receiver is not None:
+            self._receiver.cancel()  # a live iterator need not end on unsubscribe
+        results = await asyncio.gather(*self._tasks, return_exceptions=True)
+        for task, result in zip(self._tasks, results, strict=True):
+            if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                log.error("recorder_task_failed", task=task.get_name(), error=repr(result))
+        self._tasks.clear()
+        for consumer in self._consumers:
+            await consumer.close()
+        if self.delete_consumers_on_stop:
+            for family in self.families:
+                await self.bus.delete_consumer(self._subject(family), self.durable)
+        self._consumers.clear()
+        for fh in self._files.values():
+            fh.flush()
+            fh.close()
+        self._files.clear()
+        log.info(
+            "recorder_stopped",
+            written=self.stats.written,
+            rejected=self.stats.rejected,
+            status_dropped=self.stats.status_dropped,
+        )
+        return self.stats
+
+    async def __aenter__(self) -> RunRecorder:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ------------------------------------------------------------------ writing
+
+    def _file(self, stem: str) -> IO[bytes]:
+        fh = self._files.get(stem)
+        if fh is None:
+            fh = (self.dir / f"{stem}.jsonl").open("ab")
+            self._files[stem] = fh
+        return fh
+
+    def _write(self, stem: str, msg: Message) -> None:
+        line, reason = _as_line(msg.data)
+        if line is None:
+            self.stats.rejected += 1
+            log.warning("recorder_rejected", subject=msg.subject, reason=reason)
+            record = {
+                "subject": msg.subject,
+                "reason": reason,
+                "payload": msg.data.decode("utf-8", errors="replace"),
+            }
+            self._file(REJECTED_FILE).write(json.dumps(record).encode() + b"\n")
+            return
+        self._file(stem).write(line + b"\n")
+        self.stats.written[stem] = self.stats.written.get(stem, 0) + 1
+
+    def _flush(self, *stems: str) -> None:
+        for stem in (*stems, REJECTED_FILE):
+            fh = self._files.get(stem)
+            if fh is not None:
+                fh.flush()
+
+    async def _record_family(self, family: str, consumer: Consumer) -> None:
+        """Fetch a batch, write it, flush, ack it; on stop, fetch until the stream is empty."""
+        deadline: float | None = None
+        while True:
+            if self._stopping.is_set() and deadline is None:
+                deadline = time.monotonic() + self.drain_timeout_s
+            timeout = 0.2 if deadline is not None else self.flush_interval_s
+            msgs = await consumer.fetch(self.batch, timeout=timeout)
+            for msg in msgs:
+                self._write(family, msg)
+            self._flush(family)
+            for msg in msgs:
+                await msg.ack()
+            if deadline is not None and (not msgs or time.monotonic() >= deadline):
+                if msgs:
+                    log.warning("recorder_drain_timeout", family=family)
+                return
+
+    # ------------------------------------------------------------------ status
+
+    async def _receive_status(self, sub: Subscription) -> None:
+        async for msg in sub:
+            try:
+                self._status_q.put_nowait(msg)
+            except asyncio.QueueFull:
+                self.stats.status_dropped += 1
+
+    def _keep_status(self, msg: Message, now: float) -> bool:
+        """One per engine per interval, but always a change of version, assignment or state."""
+        try:
+            obj = json.loads(msg.data)
+            engine = str(obj["engine_id"])
+            key = (obj.get("version"), obj.get("assigned_version"), obj.get("state"))
+        except (ValueError, KeyError, TypeError):
+            return True  # let _write reject it with its reason
+        last = self._status_last.get(engine)
+        if last is not None and last[1] == key and now - last[0] < self.status_interval_s:
+            return False
+        self._status_last[engine] = (now, key)
+        return True
+
+    async def _write_status(self) -> None:
+        last_flush = time.monotonic()
+        while not (self._stopping.is_set() and self._status_q.empty()):
+            with contextlib.suppress(TimeoutError):
+                msg = await asyncio.wait_for(self._status_q.get(), self.flush_interval_s)
+                if self._keep_status(msg, time.monotonic()):
+                    self._write(STATUS_FILE, msg)
+                else:
+                    self.stats.status_thinned += 1
+            if time.monotonic() - last_flush >= self.flush_interval_s:
+                self._flush(STATUS_FILE)
+                last_flush = time.monotonic()
+        self._flush(STATUS_FILE)
+
+    # ------------------------------------------------------------------ ledger
+
+    async def _poll_ledger(self) -> None:
+        """Snapshot the dispatcher's ledger (KV store) whenever it changed."""
+        last: bytes | None = None
+        while True:
+            try:
+                raw = await self.bus.kv_get(LEDGER_KEY)
+            except Exception as exc:  # a missing bucket must not stop recording
+                log.debug("recorder_ledger_unreadable", error=repr(exc))
+                raw = None
+            if raw is not None and raw != last:
+                last = raw
+                line, reason = _as_line(raw)
+                if line is None:
+                    log.warning("recorder_ledger_rejected", reason=reason)
+                else:
+                    self._file(LEDGER_FILE).write(line + b"\n")
+                    self._file(LEDGER_FILE).flush()
+                    self.stats.written[LEDGER_FILE] = self.stats.written.get(LEDGER_FILE, 0) + 1
+            if self._stopping.is_set():
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.ledger_poll_s)
