@@ -23,8 +23,8 @@ class DecodeBucket:
 
     start: int
     size: int
-    slots: Tensor  # [size, max_ctx] slot ids (padding points at slot 0, masked out)
-    mask: Tensor  # [size, 1, 1, max_ctx] True = attend
+    blocks: Tensor  # [size, max_blocks] block ids (padding points at block 0, masked out)
+    mask: Tensor  # [size, 1, 1, max_blocks * block_size] True = attend
 
 
 @dataclass
@@ -33,7 +33,8 @@ class PrefillChunk:
 
     start: int
     size: int
-    slots: Tensor  # [ctx] slot ids of positions 0..ctx-1
+    ctx: int  # context length, the chunk included
+    blocks: Tensor  # [ceil(ctx / block_size)] block ids
     mask: Tensor | None  # [size, ctx] or None when the chunk is the whole context (causal)
 
 
@@ -60,24 +61,26 @@ class PagedAttention:
         if meta is None:
             raise RuntimeError("PagedAttention called without metadata")
         num_kv_heads, head_dim = k.shape[-2], k.shape[-1]
-        k_cache = self.kv_cache[layer, 0].view(-1, num_kv_heads, head_dim)
-        v_cache = self.kv_cache[layer, 1].view(-1, num_kv_heads, head_dim)
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        k_blocks = self.kv_cache[layer, 0]  # [num_blocks, block_size, KVH, D]
+        v_blocks = self.kv_cache[layer, 1]
+        k_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         num_heads = q.shape[-2]
         groups = num_heads // num_kv_heads
         for b in meta.decode:
             qb = q[b.start : b.start + b.size]  # [B, H, D]
             qb = qb.view(b.size, num_kv_heads, groups, head_dim)
-            kb = k_cache[b.slots].transpose(1, 2)  # [B, KVH, L, D]
-            vb = v_cache[b.slots].transpose(1, 2)
+            kb = k_blocks[b.blocks].view(b.size, -1, num_kv_heads, head_dim).transpose(1, 2)
+            vb = v_blocks[b.blocks].view(b.size, -1, num_kv_heads, head_dim).transpose(1, 2)
             ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask)
             out[b.start : b.start + b.size] = ob.reshape(b.size, num_heads, head_dim)
         for c in meta.prefill:
             qc = q[c.start : c.start + c.size].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            kc = k_cache[c.slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
-            vc = v_cache[c.slots].transpose(0, 1).unsqueeze(0)
+            kc = k_blocks[c.blocks].view(-1, num_kv_heads, head_dim)[: c.ctx]
+            vc = v_blocks[c.blocks].view(-1, num_kv_heads, head_dim)[: c.ctx]
+            kc = kc.transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+            vc = vc.transpose(0, 1).unsqueeze(0)
             if c.mask is None:
                 oc = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
             else:

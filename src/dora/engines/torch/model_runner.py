@@ -64,7 +64,6 @@ class ModelRunner:
             device=device,
         )
         self.attn = PagedAttention(self.kv_cache, block_size)
-        self._arange_bs = torch.arange(block_size, device=device)
 
     # ------------------------------------------------------------------ KV transfer
 
@@ -84,10 +83,6 @@ class ModelRunner:
         return c.num_hidden_layers * per_layer
 
     # ------------------------------------------------------------------ step
-
-    def _slots(self, table: list[int], length: int) -> Tensor:
-        bt = torch.tensor(table, dtype=torch.long, device=self.device)
-        return (bt[:, None] * self.block_size + self._arange_bs).view(-1)[:length]
 
     def prepare(
         self, batch: list[ScheduledSeq]
@@ -123,13 +118,15 @@ class ModelRunner:
             start = len(ids)
             ids.extend(seq.token_ids[c : c + n])
             pos.extend(range(c, c + n))
-            ctx_slots = self._slots(seq.block_table, c + n)
-            slots.extend(ctx_slots[c:].tolist())
+            used = -(-(c + n) // bs)
+            table = seq.block_table[:used]
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
             mask = None
             if c > 0:
                 q_pos = torch.arange(c, c + n, device=self.device)
                 mask = torch.arange(c + n, device=self.device)[None, :] <= q_pos[:, None]
-            meta_prefill.append(PrefillChunk(start, n, ctx_slots, mask))
+            blocks = torch.tensor(table, dtype=torch.long, device=self.device)
+            meta_prefill.append(PrefillChunk(start, n, c + n, blocks, mask))
             if s.samples:
                 logits_idx.append(start + n - 1)
                 order.append(seq)
@@ -166,11 +163,10 @@ class ModelRunner:
             rows = [s.seq.block_table[:max_blocks] for s in group]
             rows = [r + [0] * (max_blocks - len(r)) for r in rows]
             table = torch.tensor(rows, dtype=torch.long, device=self.device)
-            slots = (table[:, :, None] * self.block_size + self._arange_bs).view(len(group), -1)
-            slots = slots[:, :max_ctx]
             lens = torch.tensor([s.seq.num_computed + 1 for s in group], device=self.device)
-            mask = torch.arange(max_ctx, device=self.device)[None, :] < lens[:, None]
-            out.append(DecodeBucket(i, len(group), slots, mask[:, None, None, :]))
+            span = max_blocks * self.block_size
+            mask = torch.arange(span, device=self.device)[None, :] < lens[:, None]
+            out.append(DecodeBucket(i, len(group), table, mask[:, None, None, :]))
             i = j
         return out
 

@@ -1,0 +1,181 @@
+"""``dora bench engine``: generation throughput of the torch engine vs transformers ``generate``.
+
+Two workloads, the same for every implementation (random-init weights, eos ignored, lengths
+forced by ``max_tokens``):
+
+- ``uniform``: N requests x L new tokens (full: 64 x 256);
+- ``longtail``: M requests whose lengths are lognormal, clipped at 2,048 (full: 256).
+
+transformers runs static batches of 64 (a batch generates until its longest request is done:
+the cost continuous batching removes); the torch engine runs continuous batching with at most
+64 running sequences. Tokens/s counts requested tokens only. vLLM is measured when
+``import vllm`` works, else the row says why it is missing.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompts (token ids) and the number of new tokens each must generate."""
+
+    name: str
+    prompts: list[list[int]]
+    lengths: list[int]
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def make_workloads(quick: bool, vocab_lo: int = 6, vocab_hi: int = 100) -> list[Workload]:
+    """The two workloads (seeded, so every implementation sees the same)."""
+    rng = random.Random(0)
+    prompt_len = 32
+
+    def prompts(n: int) -> list[list[int]]:
+        return [[rng.randrange(vocab_lo, vocab_hi) for _ in range(prompt_len)] for _ in range(n)]
+
+    n_a, len_a = (16, 32) if quick else (64, 256)
+    n_b, clip = (32, 256) if quick else (256, 2048)
+    median = 48 if quick else 192
+    tail = [max(1, min(clip, int(math.exp(rng.gauss(math.log(median), 1.0))))) for _ in range(n_b)]
+    return [
+        Workload(f"uniform {n_a}x{len_a}", prompts(n_a), [len_a] * n_a),
+        Workload(f"longtail {n_b} (lognormal, clip {clip})", prompts(n_b), tail),
+    ]
+
+
+def run_torch_engine(model: Any, tokenizer: Any, work: Workload, max_seqs: int = 64) -> float:
+    """Seconds for the torch engine to generate the workload (continuous batching)."""
+    from dora.engines.torch import EngineConfig, TorchEngine
+    from dora.events import Prompt, RolloutRequest, SamplingParams
+
+    per_req = max(len(p) + n for p, n in zip(work.prompts, work.lengths, strict=True))
+    blocks = max_seqs * (-(-per_req // 16) + 1)
+    config = EngineConfig(block_size=16, num_blocks=blocks, max_num_seqs=max_seqs, ignore_eos=True)
+    engine = TorchEngine(model, tokenizer, config, engine_id="bench", version=0)
+    requests = [
+        RolloutRequest(
+            request_id=f"r{i}",
+            prompt=Prompt(prompt_id=f"p{i}", text=""),
+            prompt_token_ids=tuple(p),
+            group_id=f"g{i}",
+            group_index=0,
+            version=0,
+            sampling=SamplingParams(temperature=1.0, seed=i, max_tokens=n),
+        )
+        for i, (p, n) in enumerate(zip(work.prompts, work.lengths, strict=True))
+    ]
+    start = time.perf_counter()
+    for r in requests:
+        engine.add_request(r)
+    done = 0
+    while engine.has_work():
+        done += len(engine.step())
+    elapsed = time.perf_counter() - start
+    assert done == len(requests), "engine lost requests"
+    return elapsed
+
+
+def run_transformers(directory: Path, work: Workload, batch: int = 64) -> float:
+    """Seconds for transformers ``generate`` in static batches (sampling, eos ignored)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    start = time.perf_counter()
+    for i in range(0, len(work.prompts), batch):
+        ids = torch.tensor(work.prompts[i : i + batch])  # equal prompt lengths: no padding
+        longest = max(work.lengths[i : i + batch])
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=0,
+            )
+    return time.perf_counter() - start
+
+
+def vllm_note() -> str | None:
+    """None when vLLM imports, else why it is skipped."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # not installed, or no GPU build
+        return f"skipped: import vllm failed ({type(exc).__name__})"
+    return None
+
+
+def run_vllm(directory: Path, work: Workload) -> float:
+    """Seconds for vLLM offline generation of the workload (only where vLLM is installed)."""
+    from vllm import LLM
+    from vllm import SamplingParams as VSP
+
+    llm = LLM(model=str(directory), dtype="float32", max_num_seqs=64)
+    params = [
+        VSP(temperature=1.0, max_tokens=n, ignore_eos=True, seed=i)
+        for i, n in enumerate(work.lengths)
+    ]
+    prompts = [{"prompt_token_ids": p} for p in work.prompts]
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    return time.perf_counter() - start
+
+
+def cli(
+    models: str = typer.Option("tiny,small", "--models", help="Comma-separated presets."),
+    quick: bool = typer.Option(False, "--quick", help="Small workloads (smoke run)."),
+    threads: int = typer.Option(1, "--threads", help="torch threads (0: torch default)."),
+) -> None:
+    """Tokens/s of the torch engine vs transformers generate (and vLLM when installed)."""
+    import torch
+
+    from dora.bench.report import print_table, save_rows
+    from dora.models import build_model, save_pretrained
+
+    if threads:
+        torch.set_num_threads(threads)
+    rows: list[dict[str, Any]] = []
+    note = vllm_note()
+    for preset in [m.strip() for m in models.split(",") if m.strip()]:
+        model, tok = build_model(preset, seed=0)
+        with tempfile.TemporaryDirectory() as tmp:
+            save_pretrained(model, Path(tmp), tok)
+            for work in make_workloads(quick):
+                ours = run_torch_engine(model, tok, work)
+                hf = run_transformers(Path(tmp), work)
+                row: dict[str, Any] = {
+                    "model": preset,
+                    "workload": work.name,
+                    "tokens": work.tokens,
+                    "dora_tok_s": work.tokens / ours,
+                    "transformers_tok_s": work.tokens / hf,
+                    "speedup": hf / ours,
+                }
+                if note is None:
+                    row["vllm_tok_s"] = work.tokens / run_vllm(Path(tmp), work)
+                else:
+                    row["vllm"] = "not installed" if "ModuleNotFound" in note else note
+                rows.append(row)
+                print_table("engine throughput (so far)", rows[-1:])
+    print_table("dora bench engine: tokens/s (goal: >=1.5x on uniform, >=3x on longtail)", rows)
+    path = save_rows(
+        "engine", rows, meta={"quick": quick, "threads": torch.get_num_threads(), "vllm": note}
+    )
+    typer.echo(f"saved {path}")
