@@ -74,7 +74,10 @@ class LearnerState:
             refused_groups=list(data.get("refused_groups", [])),
             consumed_by_version={int(k): v for k, v in data.get("consumed_by_version", {}).items()},
             refused_by_version={int(k): v for k, v in data.get("refused_by_version", {}).items()},
-            buffered=[ScoredTrajectory.model_validate(s) for s in data.get("buffered", [])],
+            buffered=[
+                ScoredTrajectory.model_validate_json(json.dumps(s))
+                for s in data.get("buffered", [])
+            ],
             counters=dict(data.get("counters", {})),
         )
 

@@ -29,7 +29,7 @@ class MetricsWriter:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         if resume_step is not None:
-            self._truncate_after(resume_step)
+            self._truncate_from(resume_step)
         self._tb: Any = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -39,13 +39,14 @@ class MetricsWriter:
             )
         self._fh = self.path.open("a", encoding="utf-8")
 
-    def _truncate_after(self, step: int) -> None:
+    def _truncate_from(self, step: int) -> None:
+        """Drop records of steps >= ``step`` (the resumed run redoes them)."""
         if not self.path.is_file():
             return
         kept = [
             line
             for line in self.path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
+            if line.strip() and json.loads(line).get("step", 0) < step
         ]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
