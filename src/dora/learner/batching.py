@@ -224,6 +224,11 @@ class BatchSelector:
         self._wait_started: float | None = None
         self.oversize_batches = 0
 
+    @property
+    def waiting_since(self) -> float | None:
+        """When the current wait for urgent groups began (None: not waiting)."""
+        return self._wait_started
+
     def urgent_missing(self, step: int, ledger: Ledger | None) -> dict[int, int]:
         """Versions ``u`` with ``u + K == step`` and how many of their groups are still out."""
         if ledger is None:

@@ -86,6 +86,8 @@ class LearnerService:
         """(step, request ids) of every step this process trained, in order."""
         self._held: list[Message] = []
         self._stop = asyncio.Event()
+        self.ready = asyncio.Event()
+        """Set once the durable consumer exists (publishing to ``scored`` is safe from then)."""
         self._last_checkpoint_step = -1
         self._ledger: Ledger | None = None
         self._ledger_read_at = 0.0
@@ -128,6 +130,7 @@ class LearnerService:
                 ack_wait_s=cfg.ack_wait_s,
             )
         )
+        self.ready.set()
         heartbeat = asyncio.create_task(self._heartbeat())
         log.info("learner_started", step=self.step, resumed=resumed, b=cfg.batch_groups)
         try:
