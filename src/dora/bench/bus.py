@@ -143,7 +143,7 @@ async def run_raw(url: str, events: list, batch: int, max_ack_pending: int) -> M
     async def fetch_ack() -> list[str]:
         try:
             msgs = await sub.fetch(batch, timeout=1.0)
-        except nats.errors.TimeoutError:
+        except TimeoutError:  # nats-py raises its own subclass or the builtin one
             return []
         ids = []
         for msg in msgs:
