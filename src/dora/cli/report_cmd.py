@@ -1,0 +1,35 @@
+"""``dora report RUN_DIR``: plots a recorded run into ``report.png`` and prints its summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def cli(
+    run_dir: Annotated[
+        Path, typer.Argument(help="Run directory (holds events/ and metrics.jsonl).")
+    ],
+    out: Annotated[
+        Path | None, typer.Option("--out", help="PNG to write (default RUN_DIR/report.png).")
+    ] = None,
+) -> None:
+    """Plot a run (engines x versions, load, staleness, reward, throughput) and summarize it."""
+    from rich.console import Console
+
+    from dora.report import load_run, render_report, summarize, summary_table
+
+    console = Console()
+    if not run_dir.is_dir():
+        console.print(f"[red]run directory {run_dir} does not exist[/red]")
+        raise typer.Exit(2)
+    run = load_run(run_dir)
+    path = render_report(run, out)
+    console.print(summary_table(summarize(run), title=f"dora run {run_dir.name}"))
+    for problem in run.problems[:20]:
+        console.print(f"[yellow]unreadable:[/yellow] {problem}")
+    if len(run.problems) > 20:
+        console.print(f"[yellow]... and {len(run.problems) - 20} more unreadable records[/yellow]")
+    console.print(f"report: {path}")
