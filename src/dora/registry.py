@@ -78,11 +78,19 @@ def build_stage(
     name: str | None = None,
     concurrency: int | None = None,
     retry: RetryPolicy | None = None,
+    consumes: str | None = None,
     config: dict[str, Any] | None = None,
 ) -> Stage:
     """Instantiate stage type ``ref`` with its config (pydantic ``ValidationError`` if bad)."""
     target = resolve_stage(ref)
     if isinstance(target, Stage):
-        return target.clone(name=name, concurrency=concurrency, retry=retry, config=config or {})
-    kwargs: dict[str, Any] = {"name": name, "concurrency": concurrency, "retry": retry}
+        return target.clone(
+            name=name, concurrency=concurrency, retry=retry, consumes=consumes, config=config or {}
+        )
+    kwargs: dict[str, Any] = {
+        "name": name,
+        "concurrency": concurrency,
+        "retry": retry,
+        "consumes": consumes,
+    }
     return target(**{k: v for k, v in kwargs.items() if v is not None}, **(config or {}))

@@ -141,11 +141,12 @@ def test_dotted_path_and_overrides(tmp_path: Path) -> None:
         tmp_path,
         "name: custom\nstages:\n"
         "  - type: 'tests.unit.test_pipeline:dotted_stage'\n    name: renamed\n"
-        "    concurrency: 3\n    retry: {max_deliver: 7}\n",
+        "    concurrency: 3\n    retry: {max_deliver: 7}\n    consumes: requests.v3\n",
     )
     pipe = load_pipeline(path, run_id="r1")
     (only,) = pipe.stages
     assert (only.name, only.concurrency, only.retry.max_deliver) == ("renamed", 3, 7)
+    assert only.consumes == "requests.v3" and dotted_stage.consumes == "prompts"
     assert pipe.run_id == "r1" and pipe.name == "custom"
 
 

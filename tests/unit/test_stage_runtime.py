@@ -10,6 +10,7 @@ from dora.bus import Bus, ConsumerSpec, MemoryBroker, MemoryBus
 from dora.events import DeadLetter, Event, Prompt, ScoredTrajectory
 from dora.stage import (
     Context,
+    Hold,
     Reject,
     RetryPolicy,
     Stage,
@@ -308,3 +309,42 @@ async def test_log_context_is_bound_per_message(bus: MemoryBus) -> None:
     assert entry["run"] == "unit" and entry["stage"] == "chatty"
     assert entry["subject"] == bus.subjects.prompts and entry["event_id"] == "p7"
     assert entry["deliveries"] == 1
+
+
+async def test_held_messages_are_acked_only_when_the_stage_settles_them(bus: MemoryBus) -> None:
+    """A batching consumer (a learner) acks a batch after using it; a nak'ed one comes back."""
+    batches: list[list[str]] = []
+    buffer: list[tuple[str, Hold]] = []
+
+    @stage(consumes="prompts", concurrency=4)
+    async def learner(p: Prompt, ctx: Context) -> None:
+        buffer.append((p.event_id, ctx.hold()))
+        if len(buffer) == 4:
+            batch = buffer[:]
+            buffer.clear()
+            batches.append([e for e, _ in batch])
+            for i, (_, h) in enumerate(batch):
+                if len(batches) == 1 and i == 0:
+                    h.nak()  # e.g. rejected by a staleness check: try it again later
+                elif len(batches) == 1 and i == 1:
+                    h.reject("too stale")
+                else:
+                    h.ack()
+
+    dl = await bus.consumer(ConsumerSpec("dl", bus.subjects.deadletter))
+    for i in range(3):
+        await bus.publish_event(bus.subjects.prompts, prompt(i))
+    runner = StageRunner(learner, bus)
+    state = await bus.consumer(runner.consumer_spec())
+    await runner.start()
+    while runner.stats.in_flight < 3:
+        await asyncio.sleep(0.01)
+    assert (await state.state()).ack_pending == 3  # handled, but held: not acked yet
+    for i in range(3, 7):
+        await bus.publish_event(bus.subjects.prompts, prompt(i))
+    await run_until(runner, lambda: len(batches) == 2)
+    assert batches[0] == ["p0", "p1", "p2", "p3"]
+    assert sorted(batches[1]) == ["p0", "p4", "p5", "p6"]  # p0 came back after its nak
+    assert runner.stats.dead_lettered == 1 and runner.stats.retried == 1
+    (msg,) = await dl.fetch(batch=5)
+    assert "too stale" in DeadLetter.model_validate_json(msg.data).reason

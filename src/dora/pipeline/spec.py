@@ -12,6 +12,7 @@ Schema::
         name: prompts                # optional, default: the stage's own name
         replicas: 1                  # optional
         concurrency: 4               # optional override
+        consumes: requests.v3        # optional override of the input subject reference
         retry: {max_deliver: 5, backoff_s: 0.5, backoff_factor: 2, max_backoff_s: 30,
                 ack_wait_s: 30}      # optional override, every key optional
         config: {task: arithmetic, count: 32}   # validated by the stage's Config model
@@ -55,6 +56,7 @@ class StageEntry(BaseModel):
     name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]+$")
     replicas: int = Field(default=1, ge=1)
     concurrency: int | None = Field(default=None, ge=1)
+    consumes: str | None = Field(default=None, min_length=1, description="Input subject ref.")
     retry: RetrySpec | None = None
     config: dict[str, Any] = Field(default_factory=dict)
 
@@ -132,6 +134,7 @@ def load_pipeline(
                 name=entry.name,
                 concurrency=entry.concurrency,
                 retry=retry,
+                consumes=entry.consumes,
                 config=entry.config,
             )
             pipeline.add(stage, replicas=entry.replicas)

@@ -53,7 +53,14 @@ Context
 -------
 ``ctx.run_id``, ``ctx.bus``, ``ctx.config``, ``ctx.stats``, ``ctx.log`` (structlog, bound to
 run/stage and, per message, subject/event_id/deliveries), ``ctx.deliveries``,
-``ctx.publish(event, to=None)``, ``ctx.complete()``.
+``ctx.publish(event, to=None)``, ``ctx.complete()``, ``ctx.hold()``.
+
+Holding messages (batching consumers such as a learner)
+-------------------------------------------------------
+``h = ctx.hold()`` inside ``handle`` keeps the message unacked after the handler returns
+(its ack timer kept alive, its concurrency slot taken) until the stage calls ``h.ack()``,
+``h.nak()`` or ``h.reject(reason)``: ack a batch only once it has been trained on, and a
+crash before that redelivers the whole batch. Needs ``concurrency >= batch size``.
 """
 
 from dora.stage.base import (
@@ -66,7 +73,7 @@ from dora.stage.base import (
     derived_id,
     resolve_subject,
 )
-from dora.stage.context import Context, StageStats
+from dora.stage.context import Context, Hold, StageStats
 from dora.stage.function import FunctionStage, stage
 from dora.stage.runner import StageRunner
 
@@ -75,6 +82,7 @@ __all__ = [
     "Emitted",
     "EmptyConfig",
     "FunctionStage",
+    "Hold",
     "Reject",
     "RetryPolicy",
     "Stage",

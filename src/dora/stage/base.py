@@ -133,9 +133,12 @@ class Stage:
         name: str | None = None,
         concurrency: int | None = None,
         retry: RetryPolicy | None = None,
+        consumes: str | None = None,
         **config: Any,
     ) -> None:
         self.config = self.Config.model_validate(config)
+        if consumes is not None:  # e.g. one generator class serving requests.v3
+            self.consumes = consumes  # type: ignore[misc]
         default_name = type(self).name or _snake(type(self).__name__)
         self.name = name or default_name  # type: ignore[misc]
         if concurrency is not None:
@@ -179,7 +182,12 @@ class Stage:
     def clone(self, **overrides: Any) -> Stage:
         """A fresh instance with the same config, some of it overridden (YAML ``config``)."""
         config = {**self.config.model_dump(), **overrides.pop("config", {})}
-        kwargs = {"name": self.name, "concurrency": self.concurrency, "retry": self.retry}
+        kwargs = {
+            "name": self.name,
+            "concurrency": self.concurrency,
+            "retry": self.retry,
+            "consumes": self.consumes,
+        }
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         return type(self)(**kwargs, **config)
 

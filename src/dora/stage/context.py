@@ -37,6 +37,31 @@ class StageStats:
         return dataclasses.asdict(self)
 
 
+class Hold:
+    """A message the handler keeps unsettled after it returns (e.g. a learner's batch).
+
+    The message keeps its concurrency slot and its ack timer is kept alive until the stage
+    calls ``ack()`` (done), ``nak()`` (deliver again) or ``reject(reason)`` (dead letter).
+    A stage that holds up to B messages needs ``concurrency >= B``.
+    """
+
+    def __init__(self) -> None:
+        self.outcome: asyncio.Future[tuple[str, str]] = asyncio.get_running_loop().create_future()
+
+    def _settle(self, verdict: str, reason: str = "") -> None:
+        if not self.outcome.done():
+            self.outcome.set_result((verdict, reason))
+
+    def ack(self) -> None:
+        self._settle("ack")
+
+    def nak(self) -> None:
+        self._settle("nak")
+
+    def reject(self, reason: str) -> None:
+        self._settle("reject", reason)
+
+
 @dataclass
 class Context:
     """Handed to ``setup``, ``handle``, ``produce`` and ``teardown``."""
@@ -49,6 +74,7 @@ class Context:
     deliveries: int = 0
     event_id: str = ""
     log: Any = None
+    held: Hold | None = None
 
     def __post_init__(self) -> None:
         if self.log is None:
@@ -68,7 +94,7 @@ class Context:
         """The per-message view (shares stats and the completion flag)."""
         log = self.log.bind(subject=subject, event_id=event_id, deliveries=deliveries)
         return dataclasses.replace(
-            self, subject=subject, deliveries=deliveries, event_id=event_id, log=log
+            self, subject=subject, deliveries=deliveries, event_id=event_id, log=log, held=None
         )
 
     def subject_for(self, event: Event, to: str | None = None) -> str:
@@ -96,6 +122,14 @@ class Context:
         else:
             self.stats.published += 1
         return result
+
+    def hold(self) -> Hold:
+        """Keep the current message unacked after the handler returns; settle it later."""
+        if not self.event_id:
+            raise StageError("ctx.hold() is only possible while handling a message")
+        if self.held is None:
+            self.held = Hold()
+        return self.held
 
     def complete(self) -> None:
         """This stage is done (a sink that has seen everything); ends a pipeline run."""

@@ -50,6 +50,7 @@ class FunctionStage(Stage):
             raise StageError(f"@stage {fn.__name__}: must be `async def` or an async generator")
         self.finite = self._source if finite is None else finite  # type: ignore[misc]
         super().__init__(
+            consumes=consumes,
             name=name or fn.__name__.replace(".", "_"),
             concurrency=concurrency,
             retry=retry,

@@ -202,6 +202,14 @@ class StageRunner:
             try:
                 for out in iter_emitted(await self.stage.handle(event, mctx)):
                     await mctx.publish(out)
+                if mctx.held is not None:  # settled later by the stage (its slot stays taken)
+                    verdict, why = await mctx.held.outcome
+                    if verdict == "nak":
+                        self.stats.retried += 1
+                        await msg.nak(delay=self.stage.retry.delay(msg.num_delivered))
+                        return
+                    if verdict == "reject":
+                        raise Reject(why)
             except Reject as exc:
                 await self._dead_letter(msg, f"rejected by stage {self.stage.name}: {exc}")
                 return
