@@ -348,3 +348,19 @@ async def test_held_messages_are_acked_only_when_the_stage_settles_them(bus: Mem
     assert runner.stats.dead_lettered == 1 and runner.stats.retried == 1
     (msg,) = await dl.fetch(batch=5)
     assert "too stale" in DeadLetter.model_validate_json(msg.data).reason
+
+
+async def test_stop_hands_back_held_messages_at_once(bus: MemoryBus) -> None:
+    @stage(consumes="prompts", concurrency=8)
+    async def hoarder(p: Prompt, ctx: Context) -> None:
+        ctx.hold()  # a batch that never fills
+
+    for i in range(3):
+        await bus.publish_event(bus.subjects.prompts, prompt(i))
+    runner = StageRunner(hoarder, bus, drain_timeout=60.0)
+    await runner.start()
+    while runner.stats.in_flight < 3:
+        await asyncio.sleep(0.01)
+    await asyncio.wait_for(runner.stop(), timeout=10.0)  # not the 60 s drain timeout
+    state = await (await bus.consumer(runner.consumer_spec())).state()
+    assert state.ack_pending == 0 and state.pending == 3  # back in the queue, none lost

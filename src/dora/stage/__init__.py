@@ -60,7 +60,8 @@ Holding messages (batching consumers such as a learner)
 ``h = ctx.hold()`` inside ``handle`` keeps the message unacked after the handler returns
 (its ack timer kept alive, its concurrency slot taken) until the stage calls ``h.ack()``,
 ``h.nak()`` or ``h.reject(reason)``: ack a batch only once it has been trained on, and a
-crash before that redelivers the whole batch. Needs ``concurrency >= batch size``.
+crash before that redelivers the whole batch. Needs ``concurrency >= batch size``. On
+``stop`` the messages still held are nak'ed at once (redelivered to the next run).
 """
 
 from dora.stage.base import (

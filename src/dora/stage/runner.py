@@ -203,7 +203,15 @@ class StageRunner:
                 for out in iter_emitted(await self.stage.handle(event, mctx)):
                     await mctx.publish(out)
                 if mctx.held is not None:  # settled later by the stage (its slot stays taken)
-                    verdict, why = await mctx.held.outcome
+                    stopping = asyncio.create_task(self._stopping.wait())
+                    await asyncio.wait(
+                        {mctx.held.outcome, stopping}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    stopping.cancel()
+                    if not mctx.held.outcome.done():  # stopping: hand it back, unsettled
+                        await msg.nak()
+                        return
+                    verdict, why = mctx.held.outcome.result()
                     if verdict == "nak":
                         self.stats.retried += 1
                         await msg.nak(delay=self.stage.retry.delay(msg.num_delivered))
