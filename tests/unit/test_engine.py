@@ -220,3 +220,43 @@ def test_status_reports_load() -> None:
     assert st.kv_blocks_total == 512
     assert {r.request_id for r in st.requests} == {"a", "b"}
     assert all(r.generated == 1 for r in st.requests)
+
+
+def test_satisfies_engine_protocol() -> None:
+    from dora.engines.base import Engine
+
+    assert isinstance(make_engine(), Engine)
+
+
+def test_stop_token_ids_and_stop_strings() -> None:
+    free = run_alone(make_request("f", max_tokens=20))
+    toks = free.completion_token_ids
+    by_id = run_alone(make_request("i", max_tokens=20, stop_token_ids=(toks[3],)))
+    assert by_id.finish_reason == "stop"
+    assert by_id.completion_token_ids == toks[: toks.index(toks[3]) + 1]
+    text = free.text
+    needle = text[4:6]
+    by_str = run_alone(make_request("s", max_tokens=20, stop_strings=(needle,)))
+    assert by_str.finish_reason == "stop"
+    assert needle in by_str.text and needle not in by_str.text[:-1]  # stopped at its first end
+    assert len(by_str.completion_token_ids) < len(toks)
+
+
+def test_from_pretrained_and_load_weights_from_path(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from dora.engines.torch import EngineConfig, TorchEngine
+    from dora.models import build_model, save_pretrained
+
+    model, tok = build_model("tiny", seed=0, num_hidden_layers=2)
+    save_pretrained(model, tmp_path / "ckpt", tok)
+    engine = TorchEngine.from_pretrained(tmp_path / "ckpt", EngineConfig(num_blocks=64))
+    ref = run_alone(make_request("r", max_tokens=8))
+    assert run_all_one(engine, make_request("r", max_tokens=8)).completion_token_ids == (
+        ref.completion_token_ids
+    )
+    other, _ = build_model("tiny", seed=1, num_hidden_layers=2)
+    save_pretrained(other, tmp_path / "v1")
+    engine.load_weights(1, tmp_path / "v1")
+    out = run_all_one(engine, make_request("r", version=1, max_tokens=8))
+    assert out.version == 1 and out.completion_token_ids != ref.completion_token_ids
+    with pytest.raises(EngineError, match="cannot load weights"):
+        engine.load_weights(2, tmp_path / "missing")
