@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from dora.learner.grpo import GRPOConfig
 from dora.learner.trainer import OptimConfig
@@ -58,3 +59,28 @@ class LearnerConfig:
         if self.max_ack_pending is not None:
             return self.max_ack_pending
         return max(1024, (self.checkpoint_every + 2) * self.batch_groups * 16)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LearnerConfig:
+        """Build from plain data (YAML/JSON): ``grpo`` and ``optim`` may be nested dicts.
+
+        Unknown keys raise ``ValueError`` naming them.
+        """
+        data = dict(data)
+        for name, sub in (("grpo", GRPOConfig), ("optim", OptimConfig)):
+            value = data.get(name)
+            if isinstance(value, dict):
+                data[name] = _build(sub, value, f"learner.{name}")
+        if isinstance(data.get("weight_dir"), str):
+            data["weight_dir"] = Path(data["weight_dir"])
+        return _build(cls, data, "learner")
+
+
+def _build(cls: Any, data: dict[str, Any], where: str) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}; known: {sorted(names)}")
+    if "betas" in data:
+        data = {**data, "betas": tuple(data["betas"])}
+    return cls(**data)

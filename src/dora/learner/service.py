@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from dora.models import CharTokenizer, LlamaModel
 log = structlog.get_logger(__name__)
 
 LEDGER_KEY = "ledger"
+HISTORY_STEPS = 1_000
 MAX_DELIVER = 1_000
 """Held messages are redelivered after every learner crash; never let the server give up."""
 
@@ -82,8 +84,8 @@ class LearnerService:
         self.publisher = WeightPublisher(bus, transport, config.keep_weight_versions)
         self.step = 0
         self.resumed_from: int | None = None
-        self.history: list[tuple[int, list[str]]] = []
-        """(step, request ids) of every step this process trained, in order."""
+        self.history: deque[tuple[int, list[str]]] = deque(maxlen=HISTORY_STEPS)
+        """(step, request ids) of the last steps this process trained, in order."""
         self._held: list[Message] = []
         self._stop = asyncio.Event()
         self.ready = asyncio.Event()

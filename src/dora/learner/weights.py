@@ -99,7 +99,7 @@ class DirectoryTransport:
     store = "directory"
 
     def __init__(self, directory: Path) -> None:
-        self.directory = Path(directory)
+        self.directory = Path(directory).resolve()  # the BlobRef must work from any cwd
 
     async def put(self, name: str, data: bytes) -> BlobRef:
         path = self.directory / f"{name}.safetensors"

@@ -1,0 +1,38 @@
+"""LearnerConfig validation and construction from plain data."""
+
+from __future__ import annotations
+
+import pytest
+
+from dora.learner import LearnerConfig
+
+
+def test_from_dict_builds_nested_configs() -> None:
+    cfg = LearnerConfig.from_dict(
+        {
+            "batch_groups": 4,
+            "staleness_bound": 1,
+            "grpo": {"eps_high": 0.3, "aggregation": "seq-mean-token-mean"},
+            "optim": {"lr": 1e-4, "betas": [0.9, 0.95], "schedule": "cosine"},
+            "weight_dir": "/tmp/w",
+        }
+    )
+    assert cfg.batch_groups == 4 and cfg.staleness_bound == 1
+    assert cfg.grpo.eps_high == 0.3 and cfg.grpo.aggregation == "seq-mean-token-mean"
+    assert cfg.optim.betas == (0.9, 0.95) and cfg.optim.schedule == "cosine"
+    assert str(cfg.weight_dir) == "/tmp/w"
+
+
+def test_bad_fields_are_named() -> None:
+    with pytest.raises(ValueError, match="epsx"):
+        LearnerConfig.from_dict({"grpo": {"epsx": 1}})
+    with pytest.raises(ValueError, match="batch_groups"):
+        LearnerConfig(batch_groups=0)
+    with pytest.raises(ValueError, match="schedule"):
+        LearnerConfig.from_dict({"optim": {"schedule": "linear"}})
+
+
+def test_ack_pending_room_covers_held_messages() -> None:
+    cfg = LearnerConfig(batch_groups=64, checkpoint_every=10)
+    assert cfg.ack_pending_limit >= 12 * 64 * 16
+    assert LearnerConfig(max_ack_pending=50).ack_pending_limit == 50
