@@ -133,7 +133,7 @@ class _NatsConsumer(Consumer):
     async def fetch(self, batch: int = 1, timeout: float = 1.0) -> list[Message]:
         try:
             msgs = await self._sub.fetch(batch, timeout=max(timeout, 0.01))
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either
+        except TimeoutError:  # nats.errors.TimeoutError, or the builtin from some fetch paths
             return []
         return [_NatsMessage(m, durable=True) for m in msgs]
 
