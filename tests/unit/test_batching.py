@@ -167,3 +167,15 @@ def test_invalid_samples_name_the_field() -> None:
         buf.add(make_scored(group_id="g", group_index=1, group_size=2, version=1), step=0)
     with pytest.raises(InvalidTrajectory, match="group_index"):
         buf.add(make_scored(group_id="h", group_index=3, group_size=2), step=0)
+
+
+def test_urgent_wait_can_time_out() -> None:
+    buf = GroupBuffer(staleness_bound=0)
+    sel = BatchSelector(buf, batch_groups=1, max_urgent_wait_s=5.0)
+    add_group(buf, "a", 0)
+    led = ledger(0, 1, 0, {0: 2})
+    assert sel.select(0, led, now=0.0) is None
+    assert sel.select(0, led, now=4.9) is None
+    batch = sel.select(0, led, now=5.0)
+    assert batch is not None and batch.wait_s == 5.0
+    assert sel.wait_timeouts == 1

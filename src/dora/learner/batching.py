@@ -216,13 +216,19 @@ class GroupBuffer:
 class BatchSelector:
     """Decides when step ``s`` may run and which groups it trains on."""
 
-    def __init__(self, buffer: GroupBuffer, batch_groups: int) -> None:
+    def __init__(
+        self, buffer: GroupBuffer, batch_groups: int, max_urgent_wait_s: float | None = None
+    ) -> None:
         if batch_groups < 1:
             raise ValueError(f"batch_groups must be >= 1, got {batch_groups}")
         self.buffer = buffer
         self.b = batch_groups
+        self.max_urgent_wait_s = max_urgent_wait_s
+        """Give up waiting for urgent groups after this long (None: wait forever). A group
+        that arrives after the learner stepped past its deadline is then refused loudly."""
         self._wait_started: float | None = None
         self.oversize_batches = 0
+        self.wait_timeouts = 0
 
     @property
     def waiting_since(self) -> float | None:
@@ -244,7 +250,7 @@ class BatchSelector:
 
     def select(self, step: int, ledger: Ledger | None, now: float | None = None) -> Batch | None:
         """The batch for ``step``, or None while fewer than B groups are ready or an urgent
-        group is still out. Groups already too stale are refused first (see ``expire_stale``).
+        group is still out. Call ``GroupBuffer.expire_stale(step)`` first (the service does).
         """
         now = time.monotonic() if now is None else now
         ready = sorted(self.buffer.ready.values(), key=lambda g: (g.version, g.completed_at))
@@ -256,7 +262,11 @@ class BatchSelector:
             if self._wait_started is None:
                 self._wait_started = now
                 log.info("waiting_for_urgent_groups", step=step, missing=missing)
-            return None
+            limit = self.max_urgent_wait_s
+            if limit is None or now - self._wait_started < limit:
+                return None
+            self.wait_timeouts += 1
+            log.error("urgent_wait_timeout_stepping_anyway", step=step, missing=missing)
         urgent = [g for g in ready if g.version + self.buffer.k <= step]
         chosen = urgent if len(urgent) > self.b else ready[: self.b]
         if len(urgent) > self.b:

@@ -40,6 +40,9 @@ class LearnerConfig:
     max_ack_pending: int | None = None
     """Default: room for ``checkpoint_every + 2`` batches of groups of 16, at least 1024."""
     ledger_poll_s: float = 0.2
+    max_urgent_wait_s: float | None = None
+    """Stop waiting for an urgent group after this long (None: wait forever; a group lost
+    upstream then stalls the learner, which is logged while it waits)."""
     tensorboard: bool = True
 
     def __post_init__(self) -> None:

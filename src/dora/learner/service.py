@@ -74,7 +74,7 @@ class LearnerService:
         self.on_step = on_step
         self.trainer = Trainer(model, config.grpo, config.optim, ref_model)
         self.buffer = GroupBuffer(config.staleness_bound)
-        self.selector = BatchSelector(self.buffer, config.batch_groups)
+        self.selector = BatchSelector(self.buffer, config.batch_groups, config.max_urgent_wait_s)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", config.keep_checkpoints)
         if transport is None:
             if config.weight_store == "directory":
@@ -294,6 +294,7 @@ class LearnerService:
             "staleness/urgent_groups": float(batch.urgent),
             "staleness/refused_total": float(len(buf.refused)),
             "staleness/oversize_batches": float(self.selector.oversize_batches),
+            "staleness/wait_timeouts": float(self.selector.wait_timeouts),
             "groups/duplicates_total": float(buf.duplicates),
             "groups/consumed_total": float(len(buf.consumed)),
             "buffer/ready_groups": float(len(buf.ready)),
