@@ -147,9 +147,10 @@ class VersionLife:
 def version_timeline(run: RunData) -> list[VersionLife]:
     published = {w.version: w.time for w in run.weights}
     served: dict[int, list[float]] = defaultdict(list)
+    interval = typical_interval(run.status)
     for s in run.status:
         if s.version is not None and s.state in ("serving", "draining"):
-            served[s.version].append(s.time)
+            served[s.version] += [s.time, s.time + interval]  # a sample stands one interval
     if not served:  # no status recorded: trajectories say when a version generated
         for t in run.trajectories:
             served[t.version] += [x for x in (t.started_at, t.finished_at) if x > 0]

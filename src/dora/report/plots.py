@@ -143,7 +143,7 @@ def _load(ax: Axes, run: RunData, pal: _Palette, t0: float) -> None:
     ax.set_title(title, loc="left", fontsize=11)
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("requests")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=7, loc="upper right", ncol=2 if len(pal.versions) > 3 else 1)
 
 
 def _versions(ax: Axes, run: RunData, pal: _Palette, t0: float) -> None:
@@ -169,6 +169,9 @@ def _versions(ax: Axes, run: RunData, pal: _Palette, t0: float) -> None:
                     f"+{lag:.1f}s", (life.first_served - t0, y + 0.32), fontsize=7, color="grey"
                 )
     ax.set_yticks([life.version for life in lives], [f"v{life.version}" for life in lives])
+    ax.set_ylim(
+        min(life.version for life in lives) - 0.6, max(life.version for life in lives) + 0.8
+    )
     ax.set_xlabel("time since start (s)")
     ax.set_title(title, loc="left", fontsize=11)
 
@@ -179,6 +182,7 @@ def _staleness(ax: Axes, run: RunData) -> None:
         bins = np.arange(min(stale.samples) - 0.5, max(stale.samples) + 1.5)
         ax.hist(stale.samples, bins=bins, color="#4c72b0", rwidth=0.85)
         ax.set_xticks(range(min(stale.samples), max(stale.samples) + 1))
+        ax.set_xlim(min(stale.samples) - 1, max(stale.samples) + 1)
         ax.set_xlabel("learner step - trajectory version")
         ax.set_ylabel("consumed trajectories")
         note = f"mean {stale.mean:.2f}, max {stale.max:.0f}"
@@ -211,8 +215,8 @@ def _throughput(ax: Axes, run: RunData, t0: float) -> None:
             times, bins=nbins, range=(0.0, span), weights=[d[1] for d in done]
         )
         width = edges[1] - edges[0]
-        handles += ax.step(edges[:-1], counts / width, where="post", color="#dd8452")
-        handles[-1].set_label("generated (finished trajectories)")
+        ax.stairs(counts / width, edges, color="#dd8452", lw=1.5)
+        handles.append(Line2D([], [], color="#dd8452", label="generated (finished trajectories)"))
         ax.set_ylabel("generated tokens/s")
     if learner:
         other = ax.twinx() if done else ax
@@ -247,7 +251,7 @@ def _reward_time(ax: Axes, run: RunData, t0: float) -> None:
     if run.scored:
         times = np.array([s.time - t0 for s in run.scored])
         rewards = np.array([s.reward for s in run.scored])
-        k = int(np.clip(len(rewards) // 10, 1, 200))
+        k = min(len(rewards), int(np.clip(len(rewards) // 20, 5, 200)))
         rolling = np.convolve(rewards, np.ones(k) / k, mode="valid")
         ax.plot(times[k - 1 :], rolling, color="#8172b3", label=f"scored, rolling mean of {k}")
     if points:
