@@ -12,7 +12,9 @@ def _ints(text: str, name: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise typer.BadParameter(f"{name}: expected comma-separated integers, got {text!r}")
+        raise typer.BadParameter(
+            f"{name}: expected comma-separated integers, got {text!r}"
+        ) from None
     if not values or any(v < 1 for v in values):
         raise typer.BadParameter(f"{name}: expected positive integers, got {text!r}")
     return values
@@ -28,7 +30,7 @@ def cli(
     group_size: int = typer.Option(16, min=1, help="G: samples per group."),
     staleness: int = typer.Option(1, min=0, help="K: staleness bound."),
     trainer_gpus: int = typer.Option(0, min=0, help="Trainer GPUs (0: as many as engines)."),
-    plan_tick: float = typer.Option(5.0, min=0.001, help="Seconds between plan calls (dora)."),
+    plan_tick: float = typer.Option(20.0, min=0.001, help="Seconds between plan calls (dora)."),
     seed: int = typer.Option(0, min=0, help="Seed of prompts and lengths."),
     json_out: Path = typer.Option(Path("runs/sim/sim.json"), "--json", help="JSON output."),
     png_out: Path | None = typer.Option(None, "--png", help="PNG (default: next to JSON)."),

@@ -8,4 +8,13 @@ from dora.sim.config import MODES, Mode, SimConfig, TrainerCost
 from dora.sim.metrics import SimResult, StepRecord
 from dora.sim.runner import grid, simulate
 
-__all__ = ["MODES", "Mode", "SimConfig", "SimResult", "StepRecord", "TrainerCost", "grid", "simulate"]
+__all__ = [
+    "MODES",
+    "Mode",
+    "SimConfig",
+    "SimResult",
+    "StepRecord",
+    "TrainerCost",
+    "grid",
+    "simulate",
+]

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from dora.rollout.dispatcher import Dispatcher, DispatcherConfig
 from dora.sim.config import SimConfig
 from dora.sim.fleet import Fleet, Group
 from dora.sim.metrics import StepRecord, record_step
@@ -177,41 +178,55 @@ class OneStepOffDriver(Driver):
 
 
 class StalenessWindow:
-    """Admission and batch selection under bound K (the dispatcher's rule, see ledger docs).
+    """The dispatcher's staleness accounting (``dora.rollout.dispatcher``), driven by groups.
 
-    A group of version u may be trained at step s only if s - u <= K. Groups are admitted
-    while dispatched < (steps + K + 1) * B, and a learner step takes B finished groups,
-    oldest version first, and must wait for any unfinished group whose deadline it is.
+    Admission capacity and version tags come from the live ``Dispatcher`` and its
+    ``StalenessLedger`` (EDF admission under bound K); only the construction of pydantic
+    requests is skipped (the simulator makes millions of requests). The learner stand-in's
+    rule: a step takes B finished groups, oldest version first, and waits for any unfinished
+    group whose deadline ``u + K`` is this step (it must be in this batch).
     """
 
-    def __init__(self, batch: int, bound: int) -> None:
+    def __init__(self, batch: int, bound: int, mode: str) -> None:
+        self.dispatcher = Dispatcher(
+            DispatcherConfig(group_size=1, batch_groups=batch, staleness_bound=bound, mode=mode)
+        )
+        self.ledger = self.dispatcher.ledger_state
         self.batch = batch
         self.bound = bound
-        self.dispatched = 0
-        self.unfinished: dict[int, int] = {}  # version -> unfinished groups
         self.ready: list[Group] = []
 
-    def admit(self, steps_done: int) -> int:
-        """How many more groups may be dispatched now."""
-        return max(0, (steps_done + self.bound + 1) * self.batch - self.dispatched)
+    def admit(self, version: int) -> int:
+        """How many more groups tagged ``version`` may be dispatched now."""
+        self.dispatcher.observe_weights(version)
+        return self.dispatcher.capacity(version)
 
     def dispatched_group(self, group: Group) -> None:
-        self.dispatched += 1
-        self.unfinished[group.version] = self.unfinished.get(group.version, 0) + 1
+        self.ledger.counts(group.version).dispatched += 1
 
     def finished_group(self, group: Group) -> None:
-        self.unfinished[group.version] -= 1
+        self.ledger.counts(group.version).finished += 1
         self.ready.append(group)
 
     def select(self, step: int) -> list[Group] | None:
         """The batch for learner ``step``, or None while it must wait."""
-        if any(n and v + self.bound <= step for v, n in self.unfinished.items()):
-            return None  # an urgent group is still running
+        for v, c in self.ledger.versions.items():
+            if c.dispatched > c.finished and v + self.bound <= step:
+                return None  # an urgent group is still running: it must be in this batch
         if len(self.ready) < self.batch:
             return None
         self.ready.sort(key=lambda g: (g.version, g.finished_at))
         batch, self.ready = self.ready[: self.batch], self.ready[self.batch :]
+        for g in batch:
+            self.ledger.counts(g.version).consumed += 1
         return batch
+
+    def published(self, version: int) -> None:
+        """The learner finished step ``version - 1`` and published ``version``."""
+        self.dispatcher.observe_learner_step(version)
+        self.dispatcher.observe_weights(version)
+        if self.ledger.late():
+            raise AssertionError(f"groups past their staleness deadline: {self.ledger.late()}")
 
 
 class PartialDriver(Driver):
@@ -221,7 +236,7 @@ class PartialDriver(Driver):
     QUEUE = 0  # one queue: every engine serves the newest version
 
     def start(self) -> None:
-        self.window = StalenessWindow(self.cfg.batch_groups, self.cfg.staleness)
+        self.window = StalenessWindow(self.cfg.batch_groups, self.cfg.staleness, "partial")
         for e, core in enumerate(self.fleet.cores):
             core.version = 0
             self.fleet.hungry[self.QUEUE].add(e)
@@ -252,6 +267,7 @@ class PartialDriver(Driver):
     def after_train(self, step: int) -> None:
         fleet = self.fleet
         version = step + 1
+        self.window.published(version)
         for e, core in enumerate(fleet.cores):
             fleet.touch(e)
             old = core.version or 0

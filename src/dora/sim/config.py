@@ -50,7 +50,7 @@ class SimConfig:
     trainer_gpus: int | None = None
     trainer: TrainerCost | None = field(default=None)
     max_seqs: int | None = None  # per engine; None: tuned to the KV capacity (see fleet)
-    plan_tick_s: float = 5.0  # dora: how often the orchestrator's plan runs (virtual s)
+    plan_tick_s: float = 20.0  # dora: plan runs this often (virtual s) and at each publish
     migration_bw: float | None = None  # bytes/s; None: the cost model's
 
     def __post_init__(self) -> None:

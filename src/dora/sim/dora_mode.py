@@ -39,7 +39,9 @@ class DoraDriver(Driver):
     def __init__(self, cfg: Any, plan_config: Any = None) -> None:
         super().__init__(cfg)
         self.reuse_kv = cfg.mode != "dora_noreuse"
-        self.plan_config = plan_config if plan_config is not None else orchestrator.PlanConfig()
+        self.plan_config = (
+            plan_config if plan_config is not None else orchestrator.OrchestratorConfig()
+        )
         n = cfg.engines
         self.assigned: list[int | None] = [0] * n
         self.draining = [False] * n
@@ -48,13 +50,14 @@ class DoraDriver(Driver):
         self.last_migrated: dict[int, float] = {}
         self.lengths = LengthRecorder()
         self.migration_fallbacks = 0
+        self._idle_views: dict[int, tuple[tuple[object, ...], EngineView]] = {}
         self.actions: dict[str, int] = {}
         bw = cfg.migration_bw
         self.migration_bw = bw if bw is not None else cfg.cost.migration_bw
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        self.window = StalenessWindow(self.cfg.batch_groups, self.cfg.staleness)
+        self.window = StalenessWindow(self.cfg.batch_groups, self.cfg.staleness, "dora")
         for e, core in enumerate(self.fleet.cores):
             core.version = 0
             self.fleet.hungry[0].add(e)
@@ -62,12 +65,16 @@ class DoraDriver(Driver):
         self.tick()
 
     def top_up(self) -> None:
+        """Admit groups tagged with the newest version that has an engine (dispatcher rule)."""
         fleet = self.fleet
-        n = self.window.admit(self.step)
+        version = self.window.dispatcher.tag_version(self.assigned)
+        if version is None:
+            return
+        n = self.window.admit(version)
         for _ in range(n):
-            self.window.dispatched_group(fleet.dispatch_group(self.step))
+            self.window.dispatched_group(fleet.dispatch_group(version))
         if n:
-            fleet.feed(self.step)
+            fleet.feed(version)
 
     def tick(self) -> None:
         if self.fleet.stopped:
@@ -89,8 +96,9 @@ class DoraDriver(Driver):
             self.train(batch)
 
     def after_train(self, step: int) -> None:
-        self.top_up()
+        self.window.published(step + 1)
         self.replan()
+        self.top_up()
         self.try_train()
 
     def on_engine_event(self, e: int) -> None:
@@ -125,19 +133,28 @@ class DoraDriver(Driver):
         fleet = self.fleet
         now = fleet.now
         views = []
+        max_tokens = self.cfg.workload.max_tokens
+        migrated = self.last_migrated
+        cache = self._idle_views
         for e, core in enumerate(fleet.cores):
             if core.has_work():
                 fleet.touch(e)
+            elif self.loading_until[e] <= now:
+                key = (core.version, self.assigned[e], self.draining[e], self.assigned_at[e])
+                hit = cache.get(e)
+                if hit is not None and hit[0] == key:
+                    views.append(hit[1])
+                    continue
             reqs = tuple(
                 RequestView(
-                    request_id=str(r.rid),
-                    version=r.version,
-                    generated=r.generated,
-                    max_tokens=self.cfg.workload.max_tokens,
-                    kv_blocks=-(-r.context // BLOCK),
-                    priority=r.priority,
-                    dispatched_at=r.dispatched_at,
-                    last_migrated_at=self.last_migrated.get(r.rid),
+                    str(r.rid),
+                    r.version,
+                    r.generated,
+                    max_tokens,
+                    -(-r.context // BLOCK),
+                    r.priority,
+                    r.dispatched_at,
+                    migrated.get(r.rid),
                 )
                 for r in core.requests()
             )
@@ -166,6 +183,11 @@ class DoraDriver(Driver):
                     assigned_at=self.assigned_at[e],
                 )
             )
+            if not reqs and state != "loading":
+                cache[e] = (
+                    (core.version, self.assigned[e], self.draining[e], self.assigned_at[e]),
+                    views[-1],
+                )
         return ClusterState(
             now=now,
             engines=tuple(views),

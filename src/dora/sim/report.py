@@ -49,9 +49,22 @@ def table(cfg: SimConfig, results: list[SimResult]) -> Table:
         )
     )
     for col in (
-        "engines", "mode", "tokens/s", "vs sync", "vs partial", "step s", "rollout s",
-        "learner wait s", "util", "migr", "migr GB", "re-prefill tok", "preempt tok",
-        "stale mean/max", "ideal step s", "vs ideal",
+        "engines",
+        "mode",
+        "tokens/s",
+        "vs sync",
+        "vs partial",
+        "step s",
+        "rollout s",
+        "learner wait s",
+        "util",
+        "migr",
+        "migr GB",
+        "re-prefill tok",
+        "preempt tok",
+        "stale mean/max",
+        "ideal step s",
+        "vs ideal",
     ):
         t.add_column(col, justify="right" if col != "mode" else "left")
     for row in ratios(results):

@@ -7,6 +7,7 @@ fleet can run the real stages on a real bus.
 
 from dora.engines.sim.core import SimRequest, TimingCore
 from dora.engines.sim.cost import DENSE_7B, DENSE_32B, PRESETS, CostModel, cost_preset
+from dora.engines.sim.engine import SimEngine
 from dora.engines.sim.workload import (
     AGENTIC,
     DAPO_16K,
@@ -27,6 +28,7 @@ __all__ = [
     "WORKLOADS",
     "CostModel",
     "RequestSpec",
+    "SimEngine",
     "SimRequest",
     "TimingCore",
     "Workload",

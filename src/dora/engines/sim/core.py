@@ -22,6 +22,8 @@ from dora.engines.sim.cost import CostModel
 from dora.engines.sim.workload import RequestSpec
 
 INF = math.inf
+_KEYS = itertools.count()  # heap keys unique across cores: a migrated request's stale entry
+# on its source must never match the key it gets on its target
 
 
 @dataclass(eq=False, slots=True)
@@ -395,7 +397,7 @@ class TimingCore:
             req.admit_seg_done = req.seg_done
             req.admit_context = req.context
             self.context += req.context
-            key = next(self._seq)
+            key = next(_KEYS)
             req.heap_key = key
             end = self.steps + req.spec.segments[req.seg] - req.seg_done
             heapq.heappush(self._ends, (end, key, req))
