@@ -43,7 +43,8 @@ def print_table(title: str, rows: Sequence[Row], console: Console | None = None)
         columns.extend(k for k in row if k not in columns)
     table = Table(title=title)
     for name in columns:
-        table.add_column(name, justify="left" if name in _text_columns(rows, name) else "right")
+        justify = "left" if name in _text_columns(rows, name) else "right"
+        table.add_column(name, justify=justify, overflow="fold")
     for row in rows:
         table.add_row(*(_cell(row.get(name)) for name in columns))
     (console or Console()).print(table)
