@@ -134,6 +134,8 @@ class _Planner:
         self.holders: dict[int, list[EngineView]] = defaultdict(list)
         self.draining: dict[int, list[EngineView]] = defaultdict(list)
         self.free: list[EngineView] = []
+        self.parked: list[EngineView] = []
+        """Busy engines that pull nothing (draining, or unassigned with requests left)."""
         self.usable: list[EngineView] = []
         for e in sorted(state.engines, key=_engine_id):
             if e.state == "stopped":
@@ -152,6 +154,8 @@ class _Planner:
             nothing_to_pull = pv is None or (pv != self.newest and pv not in self.queues)
             if run == 0 and e.waiting == 0 and e.state != "loading" and nothing_to_pull:
                 self.free.append(e)
+            elif pv is None:
+                self.parked.append(e)
 
     # ------------------------------------------------------------------ helpers
 
@@ -184,6 +188,16 @@ class _Planner:
             if prefer_loaded is None or e.version == prefer_loaded:
                 return e
             if best is None:
+                best = e
+        return best
+
+    def take_parked(self) -> EngineView | None:
+        """Least-loaded busy engine that pulls nothing: taking it costs no queue a puller."""
+        best: EngineView | None = None
+        for e in self.parked:
+            if e.engine_id not in self.taken and (
+                best is None or (e.running, e.engine_id) < (best.running, best.engine_id)
+            ):
                 best = e
         return best
 
@@ -252,6 +266,8 @@ class _Planner:
                     ),
                     None,
                 )
+            if pick is None:
+                pick = self.take_parked()
             for cooldown, keep in ((True, True), (False, True), (False, False)):
                 if pick is None:
                     pick = self.take_busy(v, respect_cooldown=cooldown, keep_newest=keep)
@@ -261,8 +277,10 @@ class _Planner:
     def newest_present(self) -> None:
         want = min(self.config.min_newest_engines, len(self.usable))
         while len(self.pullers[self.newest]) < want and self.room():
-            pick = self.take_free(prefer_loaded=self.newest) or self.take_busy(
-                self.newest, respect_cooldown=True
+            pick = (
+                self.take_free(prefer_loaded=self.newest)
+                or self.take_parked()
+                or self.take_busy(self.newest, respect_cooldown=True)
             )
             if pick is None:
                 return
