@@ -90,5 +90,5 @@ def test_abort_returns_partial_output() -> None:
     e.add_request(_request(1))
     e.core.advance_to(e.core.clock + 1.0)
     out = e.abort("r1")
-    assert 0 < len(out.token_ids) and not e.has_work()
+    assert len(out.token_ids) > 0 and not e.has_work()
     assert e.status().running == 0

@@ -102,6 +102,7 @@ class Fleet:
         self.on_group_done: Callable[[Group], None] = lambda g: None
         self.on_engine_event: Callable[[int], None] = lambda e: None
         self.finished_count = 0
+        self.done_ids: set[int] = set()
         self.stopped = False
 
     # ------------------------------------------------------------------ dispatch
@@ -174,6 +175,9 @@ class Fleet:
             self.schedule(e)
 
     def _finished(self, req: SimRequest) -> None:
+        if req.rid in self.done_ids:
+            raise AssertionError(f"request {req.rid} finished twice")
+        self.done_ids.add(req.rid)
         self.finished_count += 1
         group = self.groups[req.group]
         group.done += 1
