@@ -362,3 +362,30 @@ async def test_nats_server_restart_loses_nothing(tmp_path: Path, subjects: Subje
     finally:
         await bus.close()
         server.stop()
+
+
+async def test_interest_stream_keeps_nothing_without_consumers(bus: Bus) -> None:
+    """Fan-out streams keep a message only for consumers that exist when it is published:
+    a stage must create its durable consumer before its producers start, or miss events."""
+    subject = bus.subjects.scored
+    await bus.publish(subject, b"early", msg_id="early")
+    assert (await bus.stream_info(subject)).messages == 0
+    late = await bus.consumer(ConsumerSpec("learner", subject))
+    await bus.publish(subject, b"after", msg_id="after")
+    msgs = await late.fetch(batch=5, timeout=1.0)
+    assert [m.data for m in msgs] == [b"after"]
+    await msgs[0].ack(wait=True)
+    assert (await bus.stream_info(subject)).messages == 0  # every consumer acked it
+
+
+async def test_depth_counts_naked_and_unacked_work(bus: Bus) -> None:
+    subject = bus.subjects.requests(3)
+    consumer = await bus.consumer(ConsumerSpec("gen-v3", subject, max_ack_pending=10))
+    for i in range(4):
+        await bus.publish(subject, str(i).encode(), msg_id=f"d{i}")
+    msgs = await consumer.fetch(batch=2, timeout=2.0)
+    assert (await consumer.state()).depth == 4
+    await msgs[0].nak(delay=30.0)  # will come back: still work to do
+    await msgs[1].ack(wait=True)
+    state = await consumer.state()
+    assert state.depth == 3
