@@ -162,9 +162,9 @@ def test_invalid_samples_name_the_field() -> None:
     bad_mask = make_scored(group_id="g", group_index=0, group_size=2, loss_mask=[1, 1, 1])
     with pytest.raises(InvalidTrajectory, match="loss_mask"):
         buf.add(bad_mask, step=0)
-    buf.add(make_scored(group_id="g", group_index=0, group_size=2, version=0), step=0)
-    with pytest.raises(InvalidTrajectory, match="version"):
-        buf.add(make_scored(group_id="g", group_index=1, group_size=2, version=1), step=0)
+    buf.add(make_scored(group_id="g", group_index=0, group_size=2), step=0)
+    with pytest.raises(InvalidTrajectory, match="group_size"):
+        buf.add(make_scored(group_id="g", group_index=1, group_size=3), step=0)
     with pytest.raises(InvalidTrajectory, match="group_index"):
         buf.add(make_scored(group_id="h", group_index=3, group_size=2), step=0)
 
@@ -179,3 +179,14 @@ def test_urgent_wait_can_time_out() -> None:
     batch = sel.select(0, led, now=5.0)
     assert batch is not None and batch.wait_s == 5.0
     assert sel.wait_timeouts == 1
+
+
+def test_mixed_versions_count_as_the_oldest_tokens() -> None:
+    """Partial-rollout baseline: resumed samples carry per-token versions."""
+    buf = GroupBuffer(staleness_bound=2)
+    resumed = make_scored(group_id="g", group_index=0, group_size=2, version=3)
+    traj = resumed.trajectory.model_copy(update={"token_versions": (1, 3)})
+    buf.add(resumed.model_copy(update={"trajectory": traj}), step=3)
+    buf.add(make_scored(group_id="g", group_index=1, group_size=2, version=3), step=3)
+    assert buf.ready["g"].version == 1
+    assert buf.mixed_version_groups == {"g"}

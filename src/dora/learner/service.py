@@ -297,6 +297,7 @@ class LearnerService:
             "staleness/wait_timeouts": float(self.selector.wait_timeouts),
             "groups/duplicates_total": float(buf.duplicates),
             "groups/consumed_total": float(len(buf.consumed)),
+            "groups/mixed_version_total": float(len(buf.mixed_version_groups)),
             "buffer/ready_groups": float(len(buf.ready)),
             "buffer/partial_groups": float(len(buf.partial)),
             "buffer/held_messages": float(len(self._held)),
