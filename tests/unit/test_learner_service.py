@@ -83,6 +83,12 @@ async def test_steps_every_b_groups_and_publishes(mbus: MemoryBus, tmp_path: Pat
     ]
     assert [m.step for m in metrics] == [0, 1]
     assert metrics[0].values["groups/batch"] == 2.0
+    assert sorted(metrics[0].consumed_groups + metrics[1].consumed_groups) == [
+        "g0",
+        "g1",
+        "g2",
+        "g3",
+    ]
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
     assert service.checkpoints.latest() == tmp_path / "checkpoints" / "step_000002"
 

@@ -273,7 +273,12 @@ class LearnerService:
         metrics["weights/version"] = float(self.step)
         assert self._writer is not None
         self._writer.write(step, metrics)
-        await self.bus.publish_event(self.bus.subjects.metrics, Metrics(step=step, values=metrics))
+        record = Metrics(
+            step=step,
+            values=metrics,
+            consumed_groups=tuple(g.group_id for g in batch.groups),
+        )
+        await self.bus.publish_event(self.bus.subjects.metrics, record)
         log.info(
             "learner_step",
             step=step,
