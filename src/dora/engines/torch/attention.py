@@ -23,8 +23,9 @@ class DecodeBucket:
 
     start: int
     size: int
-    blocks: Tensor  # [size, max_blocks] block ids (padding points at block 0, masked out)
-    mask: Tensor  # [size, 1, 1, max_blocks * block_size] True = attend
+    blocks: Tensor  # [size * max_blocks] block ids, row-major (padding: block 0, masked out)
+    max_ctx: int  # longest context in the bucket
+    mask: Tensor | None  # [size, 1, 1, max_ctx] True = attend; None when all lengths are equal
 
 
 @dataclass
@@ -71,14 +72,16 @@ class PagedAttention:
         for b in meta.decode:
             qb = q[b.start : b.start + b.size]  # [B, H, D]
             qb = qb.view(b.size, num_kv_heads, groups, head_dim)
-            kb = k_blocks[b.blocks].view(b.size, -1, num_kv_heads, head_dim).transpose(1, 2)
-            vb = v_blocks[b.blocks].view(b.size, -1, num_kv_heads, head_dim).transpose(1, 2)
+            kb = k_blocks.index_select(0, b.blocks).view(b.size, -1, num_kv_heads, head_dim)
+            vb = v_blocks.index_select(0, b.blocks).view(b.size, -1, num_kv_heads, head_dim)
+            kb = kb[:, : b.max_ctx].transpose(1, 2)  # [B, KVH, L, D]
+            vb = vb[:, : b.max_ctx].transpose(1, 2)
             ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask)
             out[b.start : b.start + b.size] = ob.reshape(b.size, num_heads, head_dim)
         for c in meta.prefill:
             qc = q[c.start : c.start + c.size].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            kc = k_blocks[c.blocks].view(-1, num_kv_heads, head_dim)[: c.ctx]
-            vc = v_blocks[c.blocks].view(-1, num_kv_heads, head_dim)[: c.ctx]
+            kc = k_blocks.index_select(0, c.blocks).view(-1, num_kv_heads, head_dim)[: c.ctx]
+            vc = v_blocks.index_select(0, c.blocks).view(-1, num_kv_heads, head_dim)[: c.ctx]
             kc = kc.transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
             vc = vc.transpose(0, 1).unsqueeze(0)
             if c.mask is None:

@@ -163,10 +163,13 @@ class ModelRunner:
             rows = [s.seq.block_table[:max_blocks] for s in group]
             rows = [r + [0] * (max_blocks - len(r)) for r in rows]
             table = torch.tensor(rows, dtype=torch.long, device=self.device)
-            lens = torch.tensor([s.seq.num_computed + 1 for s in group], device=self.device)
-            span = max_blocks * self.block_size
-            mask = torch.arange(span, device=self.device)[None, :] < lens[:, None]
-            out.append(DecodeBucket(i, len(group), table, mask[:, None, None, :]))
+            lens = [s.seq.num_computed + 1 for s in group]
+            mask = None
+            if min(lens) != max_ctx:
+                lt = torch.tensor(lens, device=self.device)
+                mask = torch.arange(max_ctx, device=self.device)[None, :] < lt[:, None]
+                mask = mask[:, None, None, :]
+            out.append(DecodeBucket(i, len(group), table.view(-1), max_ctx, mask))
             i = j
         return out
 
