@@ -136,6 +136,20 @@ def running_per_version(run: RunData, bins: int = 300) -> tuple[np.ndarray, dict
     return grid, out
 
 
+def inflight_per_version(run: RunData, bins: int = 300) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    """Trajectories in flight (started, not finished) per version: the load without status."""
+    spans = [(t.started_at, t.finished_at, t.version) for t in run.trajectories if t.started_at]
+    spans = [s for s in spans if s[1] >= s[0]]
+    if not spans:
+        return np.array([]), {}
+    grid = np.linspace(min(s[0] for s in spans), max(s[1] for s in spans), max(2, bins))
+    out: dict[int, np.ndarray] = {}
+    for start, end, version in spans:
+        row = out.setdefault(version, np.zeros_like(grid))
+        row += (grid >= start) & (grid < end)
+    return grid, dict(sorted(out.items()))
+
+
 @dataclass(frozen=True)
 class VersionLife:
     version: int

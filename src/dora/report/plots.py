@@ -22,6 +22,7 @@ from matplotlib.patches import Patch
 
 from dora.report.derive import (
     engine_spans,
+    inflight_per_version,
     running_per_version,
     staleness,
     summarize,
@@ -108,7 +109,8 @@ def _engines(ax: Axes, run: RunData, pal: _Palette, t0: float) -> None:
     ax.set_xlabel("time since start (s)")
     ax.set_title(title, loc="left", fontsize=11)
     handles: list[Patch | Line2D] = [Patch(color=pal(v), label=f"v{v}") for v in pal.versions]
-    handles.append(Patch(facecolor="white", edgecolor="grey", hatch="///", label="loading"))
+    if any(s.state == "loading" for s in spans):
+        handles.append(Patch(facecolor="white", edgecolor="grey", hatch="///", label="loading"))
     if run.migrations:
         handles.append(Line2D([], [], color="black", marker="^", ls="-", label="migration"))
     if run.weights:
@@ -119,6 +121,12 @@ def _engines(ax: Axes, run: RunData, pal: _Palette, t0: float) -> None:
 def _load(ax: Axes, run: RunData, pal: _Palette, t0: float) -> None:
     title = "Running requests per version (stacked)"
     grid, per_version = running_per_version(run)
+    label = "running"
+    if not per_version:
+        grid, per_version = inflight_per_version(run)
+        if per_version:
+            title = "Trajectories in flight per version (stacked; no status recorded)"
+            label = "in flight"
     queues: dict[int, list[tuple[float, float]]] = {}
     for name in run.metric_names():
         match = _QUEUE.match(name)
@@ -133,13 +141,14 @@ def _load(ax: Axes, run: RunData, pal: _Palette, t0: float) -> None:
             grid - t0,
             *[per_version[v] for v in versions],
             colors=[pal(v) for v in versions],
-            labels=[f"v{v} running" for v in versions],
+            labels=[f"v{v} {label}" for v in versions],
             alpha=0.85,
         )
     for v, points in sorted(queues.items()):
         xs, ys = zip(*points, strict=True)
         ax.plot(xs, ys, ls="--", color=pal(v), label=f"v{v} queued")
-        title = "Running (stacked) and queued requests per version"
+    if queues:
+        title += " + queued (dashed)"
     ax.set_title(title, loc="left", fontsize=11)
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("requests")
