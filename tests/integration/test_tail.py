@@ -138,3 +138,30 @@ def test_find_url_reads_the_runs_embedded_server(tmp_path: Path) -> None:
 def test_render_raw_keeps_payload() -> None:
     line = render("dora.r.scored", b"\xffbroken", "scored", seq=9)
     assert "INVALID" in line.plain and line.plain.startswith("#9 dora.r.scored")
+
+
+async def test_tail_ends_with_an_error_when_the_server_goes_away(tmp_path: Path) -> None:
+    import nats.errors
+
+    server = NatsServer(tmp_path / "nats").start()
+    subjects = Subjects("gone")
+    async with NatsBus(subjects, server.url) as bus:
+        await bus.publish(subjects.metrics, b"m0", msg_id="m0")
+    console, out = _console()
+    task = asyncio.create_task(
+        tail(server.url, "metrics", "gone", from_start=True, raw=True, console=console)
+    )
+    while "m0" not in out.getvalue():  # it is following the stream
+        await asyncio.wait({task}, timeout=0.05)
+    server.stop()
+    with pytest.raises((OSError, nats.errors.Error)):
+        await asyncio.wait_for(task, timeout=60.0)
+
+
+def test_cli_tail_without_a_server_says_so(tmp_path: Path) -> None:
+    from dora.bus.server import free_port
+
+    url = f"nats://127.0.0.1:{free_port()}"
+    result = CliRunner().invoke(app, ["tail", "scored", "--run", "r", "--nats", url])
+    assert result.exit_code == 1
+    assert "unreachable or gone" in result.output

@@ -177,12 +177,16 @@ class NatsBus(Bus):
         streams: tuple[StreamSpec, ...] | None = None,
         *,
         create_streams: bool = True,
+        reconnect_attempts: int = -1,
     ) -> None:
         """``create_streams=False`` for observers (``dora tail``) of a run started elsewhere:
-        they must not create or reconfigure its streams."""
+        they must not create or reconfigure its streams. ``reconnect_attempts`` (-1: forever,
+        every 0.2 s) bounds how long a client waits for a server that went away before its
+        calls fail with ``nats.errors.ConnectionClosedError``."""
         super().__init__(subjects, streams)
         self.url = url
         self.create_streams = create_streams
+        self.reconnect_attempts = reconnect_attempts
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._objects: ObjectStore | None = None
@@ -204,12 +208,28 @@ class NatsBus(Bus):
 
     async def connect(self) -> None:
         self._nc = await nats.connect(
-            servers=[self.url], max_reconnect_attempts=-1, reconnect_time_wait=0.2, name="dora"
+            servers=[self.url],
+            max_reconnect_attempts=self.reconnect_attempts,
+            reconnect_time_wait=0.2,
+            name="dora",
+            error_cb=self._on_error,
+            disconnected_cb=self._on_disconnected,
+            reconnected_cb=self._on_reconnected,
         )
         self._js = self._nc.jetstream(timeout=10.0)
         if self.create_streams:
             for spec in self.streams:
                 await self._ensure_stream(spec)
+
+    # one log line per event instead of nats-py's default traceback per reconnect attempt
+    async def _on_error(self, exc: Exception) -> None:
+        log.warning("nats connection error", url=self.url, error=f"{type(exc).__name__}: {exc}")
+
+    async def _on_disconnected(self) -> None:
+        log.warning("nats disconnected", url=self.url)
+
+    async def _on_reconnected(self) -> None:
+        log.info("nats reconnected", url=self.url)
 
     async def _ensure_stream(self, spec: StreamSpec) -> None:
         family = f"{self.subjects.root}.{spec.family}"

@@ -120,7 +120,7 @@ async def _messages(
 ) -> AsyncIterator[tuple[str, bytes, int]]:
     from dora.bus import NatsBus
 
-    bus = NatsBus(subjects, url, create_streams=False)
+    bus = NatsBus(subjects, url, create_streams=False, reconnect_attempts=25)  # ~5 s
     await bus.connect()
     try:
         if subjects.family_of(pattern) in DURABLE_FAMILIES:
@@ -208,5 +208,15 @@ def cli(
         Subjects(run_id).resolve(subject)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="SUBJECT") from exc
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(tail(url, subject, run_id, from_start=from_start, raw=raw, max_count=max_count))
+    import nats.errors
+
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(
+                tail(url, subject, run_id, from_start=from_start, raw=raw, max_count=max_count)
+            )
+    except (OSError, nats.errors.Error) as exc:
+        typer.echo(
+            f"dora tail: NATS server at {url} unreachable or gone ({type(exc).__name__})", err=True
+        )
+        raise typer.Exit(1) from exc
