@@ -5,6 +5,11 @@ JetStream streams: publishing waits for the server to store the message (and blo
 stream is full, which is how a slow consumer slows its producer), and they are read through
 durable pull consumers with explicit acks. *Live* ones (status, control, rpc) are plain
 core-NATS subjects: cheap, not stored, for data that is re-sent anyway.
+
+Observers (``dora tail``, audits) read a stream with ``stream_messages`` (no consumer, no acks,
+no effect on the work) and size it with ``stream_info``. Fan-out (interest) streams keep a
+message only for consumers that exist when it is published: create durable consumers before
+their producers start.
 """
 
 from __future__ import annotations
@@ -190,7 +195,8 @@ class Consumer(abc.ABC):
 
     @abc.abstractmethod
     async def state(self) -> ConsumerState:
-        """Pending and unacked counts, from the server."""
+        """Pending and unacked counts, from the server (acks sent without ``wait`` may show a
+        moment later)."""
 
     @abc.abstractmethod
     async def close(self) -> None:
