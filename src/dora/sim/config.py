@@ -51,7 +51,9 @@ class SimConfig:
     trainer: TrainerCost | None = field(default=None)
     max_seqs: int | None = None  # per engine; None: tuned to the KV capacity (see fleet)
     plan_tick_s: float = 20.0  # dora: plan runs this often (virtual s) and at each publish
+    plan_debounce_s: float = 1.0  # ... and this soon after an engine of an old version runs dry
     migration_bw: float | None = None  # bytes/s; None: the cost model's
+    migrate_urgent: bool = True  # plan may consolidate urgent requests (with K=1 all are)
 
     def __post_init__(self) -> None:
         if self.engines < 1:

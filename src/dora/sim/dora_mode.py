@@ -39,8 +39,13 @@ class DoraDriver(Driver):
     def __init__(self, cfg: Any, plan_config: Any = None) -> None:
         super().__init__(cfg)
         self.reuse_kv = cfg.mode != "dora_noreuse"
-        self.plan_config = (
-            plan_config if plan_config is not None else orchestrator.OrchestratorConfig()
+        bw = cfg.migration_bw
+        self.migration_bw = bw if bw is not None else cfg.cost.migration_bw
+        self.plan_config = plan_config or orchestrator.OrchestratorConfig(
+            migrate_urgent=cfg.migrate_urgent,
+            weight_load_s=cfg.cost.weight_load_time,
+            migration_s_per_block=cfg.cost.kv_bytes(BLOCK) / self.migration_bw,
+            migration_s_per_request=cfg.cost.migration_fixed_s,
         )
         n = cfg.engines
         self.assigned: list[int | None] = [0] * n
@@ -50,10 +55,9 @@ class DoraDriver(Driver):
         self.last_migrated: dict[int, float] = {}
         self.lengths = LengthRecorder()
         self.migration_fallbacks = 0
+        self._plan_pending = False
         self._idle_views: dict[int, tuple[tuple[object, ...], EngineView]] = {}
         self.actions: dict[str, int] = {}
-        bw = cfg.migration_bw
-        self.migration_bw = bw if bw is not None else cfg.cost.migration_bw
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -105,8 +109,23 @@ class DoraDriver(Driver):
         core = self.fleet.cores[e]
         if self.pulls(e):
             self.fleet.fill(e)
+            if not core.has_work() and core.version != self.window.dispatcher.newest_version:
+                self.request_plan()  # an old version's engine ran dry: it is free now
         elif not core.has_work():
             self.maybe_load(e)
+
+    def request_plan(self) -> None:
+        """Plan soon (debounced): the live orchestrator also reacts to status changes."""
+        if self._plan_pending:
+            return
+        self._plan_pending = True
+
+        def run() -> None:
+            self._plan_pending = False
+            if not self.fleet.stopped:
+                self.replan()
+
+        self.fleet.at(self.fleet.now + self.cfg.plan_debounce_s, run)
 
     # ------------------------------------------------------------------ engine state
     def pulls(self, e: int) -> bool:
