@@ -29,6 +29,7 @@ it costs. Work is O(engines + requests of consolidation candidates) per call.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import defaultdict
 from dataclasses import dataclass, fields
@@ -40,6 +41,7 @@ from dora.rollout.actions import (
     MigrateRequests,
     PrioritizeRequests,
 )
+from dora.rollout.packing import FirstFit
 from dora.rollout.state import ClusterState, EngineView, RequestView
 
 __all__ = ["DEFAULT_CONFIG", "Action", "OrchestratorConfig", "plan", "slots"]
@@ -78,6 +80,9 @@ class OrchestratorConfig:
     default_slots: int = 64
     """Concurrent requests of an engine that reports ``max_running == 0``."""
     urgent_priority: int = 10
+    max_prioritize_actions: int = 16
+    """Most Prioritize actions per call (one per engine), so urgency never starves placement
+    and consolidation; the service remembers raised priorities, so the rest follow next call."""
     urgency_horizon_steps: int = 0
     """A version is urgent when ``u + K - learner_step <= this`` (0: the next step needs it)."""
     migrate_urgent: bool = False
@@ -128,6 +133,7 @@ class _Planner:
         self.actions: list[Action] = []
         self.migrated = 0
         self.taken: set[str] = set()
+        self.worth: dict[int, bool] = {}
         self.queues = {v: d for v, d in state.queue_depths.items() if d > 0}
         self.pullers: dict[int, dict[str, EngineView]] = defaultdict(dict)
         self.free_slots: dict[int, int] = defaultdict(int)
@@ -137,25 +143,30 @@ class _Planner:
         self.parked: list[EngineView] = []
         """Busy engines that pull nothing (draining, or unassigned with requests left)."""
         self.usable: list[EngineView] = []
+        default_slots = config.default_slots
+        newest, queues = self.newest, self.queues
         for e in sorted(state.engines, key=_engine_id):
-            if e.state == "stopped":
+            st = e.state
+            if st == "stopped":
                 continue
             self.usable.append(e)
-            run = len(e.requests)
+            reqs = e.requests
+            run = len(reqs)
             if run:
-                loaded = e.version if e.version is not None else e.requests[0].version
-                self.holders[loaded].append(e)
-            pv = e.pulls
+                self.holders[e.version if e.version is not None else reqs[0].version].append(e)
+            pv = e.assigned_version if st == "serving" or st == "loading" else None
             if pv is not None:
                 self.pullers[pv][e.engine_id] = e
-                self.free_slots[pv] += max(0, slots(e, config) - run - e.waiting)
-            if e.state == "draining" and e.version is not None:
+                room = (e.max_running or default_slots) - run - e.waiting
+                if room > 0:
+                    self.free_slots[pv] += room
+            elif st == "draining" and e.version is not None:
                 self.draining[e.version].append(e)
-            nothing_to_pull = pv is None or (pv != self.newest and pv not in self.queues)
-            if run == 0 and e.waiting == 0 and e.state != "loading" and nothing_to_pull:
-                self.free.append(e)
-            elif pv is None:
-                self.parked.append(e)
+            if pv is None or (pv != newest and pv not in queues):
+                if run == 0 and e.waiting == 0 and st != "loading":
+                    self.free.append(e)
+                elif pv is None:
+                    self.parked.append(e)
 
     # ------------------------------------------------------------------ helpers
 
@@ -229,8 +240,8 @@ class _Planner:
     def run(self) -> list[Action]:
         self.serve_queues()
         self.newest_present()
-        self.prioritize_urgent()
         self.place_free()
+        self.prioritize_urgent()
         if self.config.reassign_busy_to_newest:
             self.all_to_newest()
         elif self.config.migrate:
@@ -289,13 +300,14 @@ class _Planner:
     def prioritize_urgent(self) -> None:
         horizon = self.config.urgency_horizon_steps
         prio = self.config.urgent_priority
+        cap = len(self.actions) + self.config.max_prioritize_actions
         for v in sorted(self.holders):
             if self.state.steps_left(v) > horizon:
                 continue
             for e in self.holders[v]:
                 ids = tuple(r.request_id for r in e.requests if r.priority < prio)
                 if ids:
-                    if not self.room():
+                    if not self.room() or len(self.actions) >= cap:
                         return
                     self.actions.append(PrioritizeRequests(e.engine_id, ids, prio, "urgent"))
 
@@ -322,6 +334,11 @@ class _Planner:
 
     def worth_loading(self, version: int, mean_length: float) -> bool:
         """An old version's queue must outlast a weight load to justify loading it."""
+        if version not in self.worth:
+            self.worth[version] = self._worth_loading(version, mean_length)
+        return self.worth[version]
+
+    def _worth_loading(self, version: int, mean_length: float) -> bool:
         pullers = self.pullers[version]
         if not pullers:
             return True
@@ -340,11 +357,13 @@ class _Planner:
         for v in sorted(self.holders):
             if v >= self.newest or v in self.queues:
                 continue
+            if not cfg.consolidate_without_demand and self.demand() <= 0:
+                return
+            if not cfg.migrate_urgent and self.state.steps_left(v) <= cfg.urgency_horizon_steps:
+                continue  # a move stalls them, and the learner is waiting for them
             engines = [e for e in self.holders[v] if e.state != "loading"]
             if len(engines) < 2:
                 continue
-            if not cfg.consolidate_without_demand and self.demand() <= 0:
-                return
             targets = [
                 e
                 for e in engines
@@ -357,28 +376,32 @@ class _Planner:
                 e
                 for e in engines
                 if e.occupancy < cfg.consolidate_below
-                and not (e.assigned_version == v and self.cooling(e))
                 and e.engine_id not in self.taken
+                and not (e.assigned_version == v and self.cooling(e))
             ]
             if not targets or not sources:
                 continue
-            targets.sort(key=lambda e: (-e.kv_blocks_used, e.engine_id))
-            sources.sort(key=lambda e: (e.kv_blocks_used, e.running, e.engine_id))
+            # Only the emptiest sources and the fullest targets can matter within one call's
+            # budget; selecting them is O(n log k) instead of sorting whole fleets.
+            budget = max(1, cfg.max_actions - len(self.actions))
+            targets = heapq.nsmallest(
+                4 * budget, targets, key=lambda e: (-e.kv_blocks_used, e.engine_id)
+            )
+            sources = heapq.nsmallest(
+                2 * budget, sources, key=lambda e: (e.kv_blocks_used, e.running, e.engine_id)
+            )
             if not self.pack(v, sources, targets):
                 return
 
     def pack(self, v: int, sources: list[EngineView], targets: list[EngineView]) -> bool:
-        """Evacuate sources into targets; False once the call's budget is spent."""
+        """Evacuate sources into targets (first-fit, fullest first); False once the call's
+        budget is spent."""
         cfg = self.config
-        blocks = {
-            t.engine_id: math.floor(cfg.target_fill * t.kv_blocks_total) - t.kv_blocks_used
-            for t in targets
-        }
-        seats = {
-            t.engine_id: math.floor(cfg.target_fill * slots(t, cfg)) - t.running - t.waiting
-            for t in targets
-        }
-        evacuated: set[str] = set()
+        index = {t.engine_id: i for i, t in enumerate(targets)}
+        bins = FirstFit(
+            [math.floor(cfg.target_fill * t.kv_blocks_total) - t.kv_blocks_used for t in targets],
+            [math.floor(cfg.target_fill * slots(t, cfg)) - t.running - t.waiting for t in targets],
+        )
         receivers: set[str] = set()
         for src in sources:
             if src.engine_id in receivers:
@@ -387,31 +410,36 @@ class _Planner:
                 return False
             if self.migrated + src.running > cfg.max_migrated_requests:
                 return False
-            placed = self.place_requests(src, targets, blocks, seats, evacuated)
+            own = index.get(src.engine_id)
+            if own is not None:
+                bins.set_enabled(own, False)
+            placed = self.place_requests(src, bins)
             if placed is None:
+                if own is not None:
+                    bins.set_enabled(own, True)
                 continue
-            by_target: dict[str, list[RequestView]] = defaultdict(list)
-            for tid, r in placed:
-                by_target[tid].append(r)
+            by_target: dict[int, list[RequestView]] = defaultdict(list)
+            for i, _, r in placed:
+                by_target[i].append(r)
             reassign = src.assigned_version != self.newest or src.state != "serving"
             if not self.room(len(by_target) + int(reassign)):
-                self.unplace(placed, blocks, seats, src)
+                for i, size, _ in placed:
+                    bins.give(i, size)
                 return False
-            for tid in sorted(by_target):
-                reqs = by_target[tid]
+            for i in sorted(by_target, key=lambda i: targets[i].engine_id):
+                reqs = by_target[i]
                 self.actions.append(
                     MigrateRequests(
                         src.engine_id,
-                        tid,
+                        targets[i].engine_id,
                         v,
                         tuple(r.request_id for r in reqs),
                         sum(r.kv_blocks for r in reqs),
                         "consolidate",
                     )
                 )
-                receivers.add(tid)
+                receivers.add(targets[i].engine_id)
             self.migrated += len(placed)
-            evacuated.add(src.engine_id)
             if reassign:
                 self.assign(src, self.newest, "consolidated")
             else:
@@ -419,21 +447,14 @@ class _Planner:
         return True
 
     def place_requests(
-        self,
-        src: EngineView,
-        targets: list[EngineView],
-        blocks: dict[str, int],
-        seats: dict[str, int],
-        evacuated: set[str],
-    ) -> list[tuple[str, RequestView]] | None:
-        """First-fit-decreasing placement of all of ``src``'s requests, or None (rolled back)."""
+        self, src: EngineView, bins: FirstFit
+    ) -> list[tuple[int, int, RequestView]] | None:
+        """Place every request of ``src`` (largest first) or none: (bin, blocks, request)."""
         cfg = self.config
         lengths = self.state.lengths
-        urgent = self.state.steps_left(src.requests[0].version) <= cfg.urgency_horizon_steps
-        if urgent and not cfg.migrate_urgent:
-            return None
         need: list[tuple[int, RequestView]] = []
         tail_tokens = 0.0
+        moved_blocks = 0
         for r in src.requests:
             if (
                 r.last_migrated_at is not None
@@ -444,43 +465,25 @@ class _Planner:
             tail_tokens = max(tail_tokens, remaining)
             growth = math.ceil(remaining / src.block_size) if cfg.reserve_growth else 0
             need.append((r.kv_blocks + growth, r))
+            moved_blocks += r.kv_blocks
+        # Pays for itself: the source is freed ``tail_s - mig_s`` earlier; the moved requests
+        # stall ``mig_s`` and the transfer occupies both engines, so ask for more than 2x.
         rate = src.tokens_per_s / src.running if src.tokens_per_s > 0 else cfg.decode_tokens_per_s
         tail_s = tail_tokens / max(rate, 1e-9)
-        moved_blocks = sum(r.kv_blocks for r in src.requests)
         mig_s = cfg.migration_s_per_request * src.running + cfg.migration_s_per_block * moved_blocks
         if tail_s - mig_s <= mig_s + cfg.min_saving_s:
             return None
         need.sort(key=lambda x: (-x[0], x[1].request_id))
-        placed: list[tuple[str, RequestView]] = []
+        placed: list[tuple[int, int, RequestView]] = []
         for size, r in need:
-            for t in targets:
-                tid = t.engine_id
-                if tid == src.engine_id or tid in evacuated:
-                    continue
-                if blocks[tid] >= size and seats[tid] >= 1:
-                    blocks[tid] -= size
-                    seats[tid] -= 1
-                    placed.append((tid, r))
-                    break
-            else:
-                self.unplace(placed, blocks, seats, src)
+            i = bins.find(size)
+            if i is None:
+                for j, back, _ in placed:
+                    bins.give(j, back)
                 return None
+            bins.take(i, size)
+            placed.append((i, size, r))
         return placed
-
-    def unplace(
-        self,
-        placed: list[tuple[str, RequestView]],
-        blocks: dict[str, int],
-        seats: dict[str, int],
-        src: EngineView,
-    ) -> None:
-        lengths = self.state.lengths
-        for tid, r in placed:
-            growth = 0
-            if self.config.reserve_growth:
-                growth = math.ceil(lengths.remaining(r.generated, r.max_tokens) / src.block_size)
-            blocks[tid] += r.kv_blocks + growth
-            seats[tid] += 1
 
 
 def _engine_id(e: EngineView) -> str:
