@@ -72,12 +72,14 @@ async def test_recorder_keeps_every_event(nats_bus: NatsBus, tmp_path: Path) -> 
         await nats_bus.publish_event(s.weights, weights)
         await nats_bus.publish_event(s.deadletter, letter)
         await nats_bus.publish(s.metrics, b"not json at all", msg_id="bad-1")
+        pretty = b'{\n  "event_id": "pretty",\n  "step": 1,\n  "values": {}\n}'
+        await nats_bus.publish(s.metrics, pretty, msg_id="pretty")  # kept, on one line
         ledger = events.Ledger(learner_step=1, staleness_bound=2, batch_groups=4)
         await nats_bus.kv_put("ledger", ledger.model_dump_json().encode())
         published["trajectories"] += [t.event_id for t in trajs]
         published["scored"] = [sc.event_id for sc in scored]
         published["migrations"] = [migration.event_id]
-        published["metrics"] = [metrics.event_id]
+        published["metrics"] = [metrics.event_id, "pretty"]
         published["weights"] = [weights.event_id]
         published["deadletter"] = [letter.event_id]
 
@@ -103,7 +105,7 @@ async def test_recorder_keeps_every_event(nats_bus: NatsBus, tmp_path: Path) -> 
     assert _ids(events_dir / "ledger.jsonl") == [ledger.event_id]
     rejected = [json.loads(x) for x in (events_dir / "rejected.jsonl").read_text().splitlines()]
     assert [r["payload"] for r in rejected] == ["not json at all"]
-    assert "not JSON" in rejected[0]["reason"]
+    assert "not a JSON object" in rejected[0]["reason"]
     # each line parses back into its wire type
     for line in (events_dir / "scored.jsonl").read_text().splitlines():
         events.ScoredTrajectory.model_validate_json(line)
