@@ -184,6 +184,6 @@ def cli(
     if not chosen or min(chosen) < 1:
         raise typer.BadParameter("--sizes needs positive integers", param_hint="--sizes")
     rows = measure(chosen, repeats, seed)
-    print_table("dora bench plan (goal: plan_ms_median < 10 at 1,024 engines)", rows)
+    print_table("dora bench plan (goal: median_ms < 10 at 1,024 engines)", rows)
     path = save_rows("plan", rows, meta={"repeats": repeats, "seed": seed, "target_ms": TARGET_MS})
     typer.echo(f"saved {path}")
