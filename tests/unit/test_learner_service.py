@@ -147,3 +147,33 @@ async def test_bad_and_too_stale_samples_are_dead_lettered(mbus: MemoryBus, tmp_
     trained = [rid for _, ids in service.history for rid in ids]
     assert not any(rid.startswith("late") for rid in trained)
     assert service.buffer.refused == {"late"}
+
+
+async def test_stop_checkpoints_the_buffer_and_a_restart_trains_it(
+    mbus: MemoryBus, tmp_path: Path
+) -> None:
+    first = LearnerService(mbus, tiny(), config(), tmp_path)
+    task = await start(first)
+    await publish_group(mbus, "g0")
+    half = make_scored(group_id="g1", group_index=0, group_size=2, reward=1.0)
+    await mbus.publish_event(mbus.subjects.scored, half)
+    while first.buffer.received < 3:
+        await asyncio.sleep(0.01)
+    first.stop()
+    await asyncio.wait_for(task, 30)
+    assert not first.history
+    state = first.checkpoints.load(tiny())[1]
+    assert state.step == 0 and len(state.buffered) == 3
+    probe = await mbus.consumer(
+        ConsumerSpec(durable="learner", filter_subject=mbus.subjects.scored)
+    )
+    assert (await probe.state()).depth == 0  # everything acked: the checkpoint holds it
+    await probe.close()
+
+    second = LearnerService(mbus, tiny(), config(max_steps=1), tmp_path)
+    task = await start(second)
+    other = make_scored(group_id="g1", group_index=1, group_size=2, reward=0.0)
+    await mbus.publish_event(mbus.subjects.scored, other)
+    await asyncio.wait_for(task, 30)
+    ((_, ids),) = second.history
+    assert sorted(ids) == ["g0-0", "g0-1", "g1-0", "g1-1"]
