@@ -190,3 +190,13 @@ def test_mixed_versions_count_as_the_oldest_tokens() -> None:
     buf.add(make_scored(group_id="g", group_index=1, group_size=2, version=3), step=3)
     assert buf.ready["g"].version == 1
     assert buf.mixed_version_groups == {"g"}
+
+
+def test_samples_the_model_cannot_take_are_invalid() -> None:
+    buf = GroupBuffer(staleness_bound=2, max_seq_len=4, vocab_size=50)
+    too_long = make_scored(group_id="g", group_index=0, group_size=2, completion_ids=[5, 6, 7])
+    with pytest.raises(InvalidTrajectory, match="max_position_embeddings"):
+        buf.add(too_long, step=0)
+    bad_id = make_scored(group_id="g", group_index=0, group_size=2, completion_ids=[99])
+    with pytest.raises(InvalidTrajectory, match="completion_token_ids"):
+        buf.add(bad_id, step=0)

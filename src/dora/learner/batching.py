@@ -76,10 +76,27 @@ def sample_version(scored: ScoredTrajectory) -> int:
     return min(traj.token_versions) if traj.token_versions else traj.version
 
 
-def validate(scored: ScoredTrajectory) -> None:
-    """Raise ``InvalidTrajectory`` naming the field when a sample cannot be trained on."""
+def validate(
+    scored: ScoredTrajectory, max_seq_len: int | None = None, vocab_size: int | None = None
+) -> None:
+    """Raise ``InvalidTrajectory`` naming the field when a sample cannot be trained on.
+
+    ``max_seq_len`` / ``vocab_size`` (the model's) catch samples that would crash the trainer
+    every time they are redelivered (poison messages).
+    """
     traj = scored.trajectory
     n = len(traj.completion_token_ids)
+    total = len(traj.prompt_token_ids) + n
+    if max_seq_len is not None and total > max_seq_len:
+        raise InvalidTrajectory(
+            f"trajectory has {total} prompt+completion tokens, more than the model's "
+            f"max_position_embeddings {max_seq_len}"
+        )
+    if vocab_size is not None:
+        for name in ("prompt_token_ids", "completion_token_ids"):
+            ids = getattr(traj, name)
+            if ids and (max(ids) >= vocab_size or min(ids) < 0):
+                raise InvalidTrajectory(f"trajectory.{name} has ids outside [0, {vocab_size})")
     if len(traj.logprobs) != n:
         raise InvalidTrajectory(
             f"trajectory.logprobs has {len(traj.logprobs)} entries for {n} completion tokens"
@@ -124,10 +141,18 @@ class Batch:
 class GroupBuffer:
     """Collects scored samples into groups; remembers consumed and refused groups for dedupe."""
 
-    def __init__(self, staleness_bound: int) -> None:
+    def __init__(
+        self,
+        staleness_bound: int,
+        *,
+        max_seq_len: int | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
         if staleness_bound < 0:
             raise ValueError(f"staleness_bound must be >= 0, got {staleness_bound}")
         self.k = staleness_bound
+        self.max_seq_len = max_seq_len
+        self.vocab_size = vocab_size
         self.partial: dict[str, Group] = {}
         self.ready: dict[str, Group] = {}
         self.consumed: set[str] = set()
@@ -149,7 +174,7 @@ class GroupBuffer:
         group's size: the caller dead-letters it.
         """
         now = time.monotonic() if now is None else now
-        validate(scored)
+        validate(scored, self.max_seq_len, self.vocab_size)
         req = scored.trajectory.request
         gid = req.group_id
         self.received += 1

@@ -73,7 +73,11 @@ class LearnerService:
         self.tokenizer = tokenizer
         self.on_step = on_step
         self.trainer = Trainer(model, config.grpo, config.optim, ref_model)
-        self.buffer = GroupBuffer(config.staleness_bound)
+        self.buffer = GroupBuffer(
+            config.staleness_bound,
+            max_seq_len=model.config.max_position_embeddings,
+            vocab_size=model.config.vocab_size,
+        )
         self.selector = BatchSelector(self.buffer, config.batch_groups, config.max_urgent_wait_s)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", config.keep_checkpoints)
         if transport is None:
