@@ -199,9 +199,10 @@ def test_migration_must_pay_for_itself() -> None:
     assert not [a for a in plan(tail_fleet(), cfg) if isinstance(a, MigrateRequests)]
 
 
-def test_urgent_tail_is_not_migrated_by_default() -> None:
+def test_urgent_tail_is_migrated_unless_disabled() -> None:
     state = _replace(tail_fleet(), staleness_bound=1, learner_step=1)
-    actions = plan(state)
+    assert [a for a in plan(state) if isinstance(a, MigrateRequests)]
+    actions = plan(state, OrchestratorConfig(migrate_urgent=False))
     assert not [a for a in actions if isinstance(a, MigrateRequests)]
     assert [a for a in actions if isinstance(a, PrioritizeRequests)]
 

@@ -94,6 +94,7 @@ configs = st.builds(
     min_saving_s=st.sampled_from([0.0, 1.0]),
     consolidate_without_demand=st.booleans(),
     urgency_horizon_steps=st.integers(0, 1),
+    migrate_urgent=st.booleans(),
 )
 
 

@@ -85,8 +85,10 @@ class OrchestratorConfig:
     and consolidation; the service remembers raised priorities, so the rest follow next call."""
     urgency_horizon_steps: int = 0
     """A version is urgent when ``u + K - learner_step <= this`` (0: the next step needs it)."""
-    migrate_urgent: bool = False
-    """Allow migrating urgent requests (a move stalls them, and the learner waits for them)."""
+    migrate_urgent: bool = True
+    """Allow migrating urgent requests. A move stalls them ``mig_s`` (the learner waits for
+    them), but with K = 1 the previous version is always urgent and its long tail is exactly
+    what consolidation is for; the pays-for-itself test bounds the stall."""
     min_newest_engines: int = 1
     consolidate_without_demand: bool = False
     """Consolidate even when no queue needs the freed engines (default: do not)."""
