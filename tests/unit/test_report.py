@@ -127,6 +127,7 @@ def make_run(run_dir: Path, *, learner: bool = True, steps: int = 3) -> Path:
         version=1, blob=events.BlobRef(name="w1", size=1), checksum="x", step=0, created_at=T0 + 4.5
     )
     _write(ev / "weights.jsonl", [weights])
+    _write(ev / "ledger.jsonl", [events.Ledger(learner_step=0, staleness_bound=2, batch_groups=2)])
     if learner:
         consumed: list[str] = []
         records = []
@@ -169,6 +170,7 @@ def test_summary_numbers(tmp_path: Path) -> None:
     assert stale.source == "groups"
     assert sorted(stale.samples) == [0] * 6 + [1] * 4 + [2] * 2
     assert s.staleness_max == 2
+    assert s.staleness_bound == 2  # from the ledger snapshot
     assert s.staleness_mean == pytest.approx(8 / 12)
     assert (s.reward_first, s.reward_last) == pytest.approx((0.2, 0.6))
     assert s.learner_steps == 3
@@ -226,5 +228,11 @@ def test_cli(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["report", str(tmp_path / "run"), "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "re-prefilled tokens" in result.output and out.read_bytes().startswith(PNG_MAGIC)
+    numbers = json.loads(out.with_suffix(".json").read_text())
+    assert (numbers["staleness_max"], numbers["migrations_ok"], numbers["reprefilled_tokens"]) == (
+        2,
+        1,
+        7,
+    )
     missing = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])
     assert missing.exit_code == 2

@@ -1,7 +1,10 @@
-"""``dora report RUN_DIR``: plots a recorded run into ``report.png`` and prints its summary."""
+"""``dora report RUN_DIR``: plots a recorded run into ``report.png``, prints its summary and
+saves the summary numbers next to the PNG (``report.json``) for scripts and benchmarks."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -27,9 +30,12 @@ def cli(
         raise typer.Exit(2)
     run = load_run(run_dir)
     path = render_report(run, out)
-    console.print(summary_table(summarize(run), title=f"dora run {run_dir.name}"))
+    summary = summarize(run)
+    numbers = path.with_suffix(".json")
+    numbers.write_text(json.dumps(dataclasses.asdict(summary), indent=2) + "\n")
+    console.print(summary_table(summary, title=f"dora run {run_dir.name}"))
     for problem in run.problems[:20]:
         console.print(f"[yellow]unreadable:[/yellow] {problem}")
     if len(run.problems) > 20:
         console.print(f"[yellow]... and {len(run.problems) - 20} more unreadable records[/yellow]")
-    console.print(f"report: {path}")
+    console.print(f"report: {path} (numbers: {numbers})")

@@ -195,6 +195,7 @@ class Summary:
     staleness_mean: float | None
     staleness_max: float | None
     staleness_source: str
+    staleness_bound: int | None
     reward_first: float | None
     reward_last: float | None
     learner_steps: int
@@ -242,6 +243,7 @@ def summarize(run: RunData) -> Summary:
         staleness_mean=stale.mean,
         staleness_max=stale.max,
         staleness_source=stale.source,
+        staleness_bound=run.staleness_bound,
         reward_first=first,
         reward_last=last,
         learner_steps=len(steps),

@@ -102,6 +102,7 @@ class RunData:
     bus_metrics: list[MetricsRec] = field(default_factory=list)
     file_metrics: list[MetricsRec] = field(default_factory=list)
     deadletters: int = 0
+    staleness_bound: int | None = None  # K, from the dispatcher's ledger snapshots
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -284,6 +285,8 @@ def load_run(run_dir: Path | str) -> RunData:
         dedupe=False,
     )
     run.deadletters = len(_read(events / "deadletter.jsonl", p, lambda o: o))
+    bounds = _read(events / "ledger.jsonl", p, lambda o: int(o["staleness_bound"]), dedupe=False)
+    run.staleness_bound = bounds[-1] if bounds else None
     return run
 
 

@@ -191,7 +191,12 @@ def _staleness(ax: Axes, run: RunData) -> None:
         bins = np.arange(min(stale.samples) - 0.5, max(stale.samples) + 1.5)
         ax.hist(stale.samples, bins=bins, color="#4c72b0", rwidth=0.85)
         ax.set_xticks(range(min(stale.samples), max(stale.samples) + 1))
-        ax.set_xlim(min(stale.samples) - 1, max(stale.samples) + 1)
+        bound = run.staleness_bound
+        hi = max(stale.samples) if bound is None else max(*stale.samples, bound)
+        ax.set_xlim(min(stale.samples) - 1, hi + 1)
+        if bound is not None:
+            ax.axvline(bound + 0.5, color="red", ls="--", label=f"bound K={bound}")
+            ax.legend(fontsize=8)
         ax.set_xlabel("learner step - trajectory version")
         ax.set_ylabel("consumed trajectories")
         note = f"mean {stale.mean:.2f}, max {stale.max:.0f}"

@@ -29,6 +29,10 @@ def summary_table(s: Summary, title: str = "run") -> Table:
         ("re-prefilled tokens", str(s.reprefilled_tokens)),
         (f"staleness mean ({stale_note})", _num(s.staleness_mean, "{:.2f}")),
         (f"staleness max ({stale_note})", _num(s.staleness_max, "{:.0f}")),
+        (
+            "staleness bound K (ledger)",
+            "-" if s.staleness_bound is None else str(s.staleness_bound),
+        ),
         ("reward first -> last", f"{_num(s.reward_first)} -> {_num(s.reward_last)}"),
         ("learner steps", str(s.learner_steps)),
         ("dead letters", str(s.deadletters)),
