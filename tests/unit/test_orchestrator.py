@@ -284,3 +284,31 @@ def _replace(state: ClusterState, **kw) -> ClusterState:
     from dataclasses import replace
 
     return replace(state, **kw)
+
+
+def test_engine_view_from_status_adds_the_service_memory() -> None:
+    status = events.EngineStatus(
+        engine_id="e1",
+        version=2,
+        assigned_version=3,
+        state="serving",
+        running=1,
+        waiting=2,
+        kv_blocks_used=5,
+        kv_blocks_total=100,
+        block_size=16,
+        tokens_per_s=12.5,
+        max_running=8,
+        requests=(
+            events.RunningRequest(
+                request_id="r", version=2, generated=7, max_tokens=64, kv_blocks=5
+            ),
+        ),
+    )
+    view = EngineView.from_status(
+        status, priorities={"r": 10}, migrated_at={"r": 3.0}, assigned_at=1.0
+    )
+    assert (view.version, view.assigned_version, view.pulls, view.waiting) == (2, 3, 3, 2)
+    (r,) = view.requests
+    assert (r.priority, r.last_migrated_at, r.generated, r.kv_blocks) == (10, 3.0, 7, 5)
+    assert view.assigned_at == 1.0 and view.max_running == 8

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dora.events import EngineStatus
 from dora.rollout.estimates import LengthModel
 
 EngineState = Literal["idle", "loading", "serving", "draining", "stopped"]
@@ -75,6 +76,47 @@ class EngineView:
             raise ValueError(
                 f"EngineView.max_running/waiting/block_size invalid ({self.engine_id})"
             )
+
+    @classmethod
+    def from_status(
+        cls,
+        status: EngineStatus,
+        *,
+        priorities: Mapping[str, int] | None = None,
+        migrated_at: Mapping[str, float] | None = None,
+        assigned_at: float | None = None,
+    ) -> EngineView:
+        """The view of an ``EngineStatus`` event plus what only the service remembers: the
+        priorities it raised (``Prioritize``), when requests last migrated (``MigrationRecord``)
+        and when it last assigned the engine (``AssignVersion``)."""
+        prio = priorities or {}
+        moved = migrated_at or {}
+        return cls(
+            engine_id=status.engine_id,
+            state=status.state,
+            version=status.version,
+            assigned_version=status.assigned_version,
+            kv_blocks_total=status.kv_blocks_total,
+            kv_blocks_used=status.kv_blocks_used,
+            block_size=status.block_size,
+            max_running=status.max_running,
+            tokens_per_s=status.tokens_per_s,
+            waiting=status.waiting,
+            requests=tuple(
+                RequestView(
+                    r.request_id,
+                    r.version,
+                    r.generated,
+                    r.max_tokens,
+                    r.kv_blocks,
+                    prio.get(r.request_id, 0),
+                    r.dispatched_at,
+                    moved.get(r.request_id),
+                )
+                for r in status.requests
+            ),
+            assigned_at=assigned_at,
+        )
 
     @property
     def running(self) -> int:
