@@ -200,12 +200,16 @@ class WeightFetcher:
         self.known[event.version] = event
 
     async def describe(self, version: int | None = None) -> WeightVersion:
-        """The WeightVersion event of ``version`` (None: the latest published)."""
-        if version is not None and version in self.known:
-            return self.known[version]
+        """The WeightVersion event of ``version`` (None: the latest published).
+
+        The KV store is asked first: after a learner resumes from a checkpoint it republishes
+        the versions past the checkpoint, and the newest announcement of a number wins.
+        """
         key = LATEST_KEY if version is None else version_key(version)
         raw = await self.bus.kv_get(key)
         if raw is None:
+            if version is not None and version in self.known:
+                return self.known[version]
             what = "no weights published yet" if version is None else f"version {version}"
             raise WeightError(f"weights not found: {what}")
         event = WeightVersion.model_validate_json(raw)
