@@ -69,7 +69,8 @@ def _engines(ax: Axes, run: RunData, pal: _Palette, t0: float) -> None:
                 rows.setdefault(t.engines[0], []).append(
                     (t.started_at - t0, t.finished_at - t.started_at, t.version, "serving")
                 )
-        title += " (from trajectories; no status recorded)"
+        if rows:
+            title += " (from trajectories; no status recorded)"
     for m in run.migrations:
         rows.setdefault(m.source, [])
         rows.setdefault(m.target, [])
@@ -205,7 +206,7 @@ def _staleness(ax: Axes, run: RunData) -> None:
         ax.set_title(f"Staleness at consumption ({note})", loc="left", fontsize=11)
     elif stale.source == "metrics":
         means = [v for _, _, v in run.series("staleness/mean")]
-        ax.hist(means, bins=min(20, max(len(means), 1)), color="#4c72b0")
+        ax.hist(means, bins=min(20, max(len(means), 1)), color="#4c72b0", rwidth=0.85)
         ax.set_xlabel("staleness/mean of a learner step")
         ax.set_ylabel("steps")
         ax.set_title("Staleness per step (learner's staleness/mean)", loc="left", fontsize=11)
