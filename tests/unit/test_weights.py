@@ -99,3 +99,13 @@ async def test_keep_versions_prunes_old_blobs(mbus: MemoryBus) -> None:
     publisher = WeightPublisher(mbus, keep_versions=2)
     events = [await publisher.publish(tiny(), v, step=v) for v in range(4)]
     assert sorted(mbus.broker.blobs) == sorted(e.blob.name for e in events[2:])
+
+
+async def test_republished_version_wins(mbus: MemoryBus) -> None:
+    """After a learner resumes it republishes versions past its checkpoint."""
+    publisher = WeightPublisher(mbus)
+    fetcher = WeightFetcher(mbus)
+    old = await publisher.publish(tiny(0), 1, step=0)
+    fetcher.remember(old)
+    await publisher.publish(tiny(1), 1, step=0)
+    assert same_weights(await fetcher.fetch(1), hf_state_dict(tiny(1)))
