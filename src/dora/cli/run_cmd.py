@@ -38,9 +38,17 @@ async def _run(pipeline: Pipeline, console: Console, refresh_s: float = 0.2) -> 
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    current = asyncio.current_task()
+
+    def on_signal() -> None:
+        if pipeline.runners and not stop.is_set():
+            stop.set()  # running: drain the stages
+        elif current is not None:
+            current.cancel()  # still starting (e.g. connecting), or a second signal: give up
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
     progress = Progress(
         TextColumn("[bold]{task.description:<12}"),
         BarColumn(),
@@ -118,7 +126,7 @@ def cli(
     """Run a pipeline until its finite stages finish (or Ctrl-C), with live progress."""
     from rich.console import Console
 
-    from dora.pipeline import PipelineConfigError, load_pipeline
+    from dora.pipeline import PipelineConfigError, PipelineError, load_pipeline
 
     console = Console()
     try:
@@ -127,5 +135,12 @@ def cli(
         console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
         raise typer.Exit(2) from exc
     console.print(f"run [bold]{pipe.run_id}[/bold] -> {pipe.run_dir}")
-    summary = asyncio.run(_run(pipe, console))
+    try:
+        summary = asyncio.run(_run(pipe, console))
+    except asyncio.CancelledError:
+        console.print("[yellow]interrupted[/yellow]")
+        raise typer.Exit(130) from None
+    except PipelineError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(1) from exc
     _print_summary(console, summary, pipe.run_dir / "summary.json")

@@ -51,6 +51,7 @@ class Pipeline:
         run_dir: Path | None = None,
         stream_max_msgs: int = 100_000,
         drain_timeout: float = 30.0,
+        connect_timeout: float = 15.0,
     ) -> None:
         if bus is not None and run_id is not None and bus.subjects.run != run_id:
             raise StageError(f"run_id {run_id!r} differs from the bus's {bus.subjects.run!r}")
@@ -61,6 +62,7 @@ class Pipeline:
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / self.run_id
         self.stream_max_msgs = stream_max_msgs
         self.drain_timeout = drain_timeout
+        self.connect_timeout = connect_timeout
         self._bus = bus
         self._owns_bus = bus is None
         self._server: NatsServer | None = None
@@ -106,8 +108,16 @@ class Pipeline:
             await asyncio.to_thread(self._server.start)
             url = self._server.url
         streams = default_streams(max_msgs=self.stream_max_msgs)
-        self._bus = NatsBus(self.subjects, url, streams=streams)
-        await self._bus.connect()
+        bus = NatsBus(self.subjects, url, streams=streams)
+        try:
+            await asyncio.wait_for(bus.connect(), timeout=self.connect_timeout)
+        except (TimeoutError, OSError) as exc:
+            with contextlib.suppress(Exception):
+                await bus.close()
+            raise PipelineError(
+                f"cannot connect to NATS at {url} within {self.connect_timeout}s: {exc!r}"
+            ) from exc
+        self._bus = bus
 
     async def start(self) -> None:
         if self._running:

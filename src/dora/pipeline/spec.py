@@ -116,15 +116,18 @@ def load_pipeline(
     path = Path(path)
     spec = read_pipeline_file(path)
     name = spec.name or path.stem.replace(".", "_")
-    pipeline = Pipeline(
-        run_id=run_id or spec.run_id,
-        bus=bus,
-        name=name,
-        nats_url=nats_url or spec.nats,
-        run_dir=run_dir,
-        stream_max_msgs=spec.stream_max_msgs,
-        drain_timeout=spec.drain_timeout_s,
-    )
+    try:
+        pipeline = Pipeline(
+            run_id=run_id or spec.run_id,
+            bus=bus,
+            name=name,
+            nats_url=nats_url or spec.nats,
+            run_dir=run_dir,
+            stream_max_msgs=spec.stream_max_msgs,
+            drain_timeout=spec.drain_timeout_s,
+        )
+    except (ValueError, StageError) as exc:
+        raise PipelineConfigError(f"{path}: run_id: {exc}") from exc
     for i, entry in enumerate(spec.stages):
         where = f"stages[{i}]"
         retry = RetryPolicy(**entry.retry.model_dump()) if entry.retry else None
