@@ -254,3 +254,18 @@ def test_every_admitted_group_is_consumed_within_k(k: int, b: int, seed: int, st
         for s, _ in consumed:
             per_step[s] = per_step.get(s, 0) + 1
         assert max(per_step.values()) <= b
+
+
+def test_revision_moves_with_every_ledger_change() -> None:
+    d = make(group_size=1, batch_groups=2)
+    seen = [d.revision]
+    reqs = d.admit(prompt(0), [0]).requests
+    seen.append(d.revision)
+    d.on_finished(reqs[0].request_id)
+    seen.append(d.revision)
+    d.on_consumed([reqs[0].group_id], learner_step=1)
+    seen.append(d.revision)
+    assert seen == sorted(set(seen))
+    before = d.revision
+    d.admit(prompt(1), [None])  # refused: nothing changed
+    assert d.revision == before

@@ -72,3 +72,13 @@ def test_bad_parameters_name_the_field() -> None:
         StalenessLedger(1, 0)
     with pytest.raises(ValueError, match="staleness_bound"):
         StalenessLedger(-1, 2)
+
+
+def test_areal_over_admits_a_lagging_tag_edf_does_not() -> None:
+    # K=1, B=2, learner at step 3 (consumed 6 groups), engines still serve version 2.
+    led = ledger(1, 2, 3)
+    led.counts(0).dispatched = led.counts(0).consumed = 6
+    # AReaL counts capacity from the learner's version (3): 4 groups. Tagged 2, they are
+    # due at step 3, which has only B = 2 slots: two would need an oversize batch.
+    assert areal(1, 2, 3, 6) == 4
+    assert led.capacity(2) == 2

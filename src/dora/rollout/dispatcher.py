@@ -129,6 +129,8 @@ class Dispatcher:
         self._groups: dict[str, _Group] = {}
         self._group_of: dict[str, str] = {}
         self._occurrences: Counter[str] = Counter()
+        self.revision = 0
+        """Bumped on every change of the ledger: write ``ledger()`` when it moved."""
         self._log = log.bind(mode=config.mode)
 
     # ------------------------------------------------------------------ observations
@@ -139,11 +141,15 @@ class Dispatcher:
 
     def observe_weights(self, version: int) -> None:
         """A new version was published (``WeightVersion``)."""
-        self.newest_version = max(self.newest_version, version)
+        if version > self.newest_version:
+            self.newest_version = version
+            self.revision += 1
 
     def observe_learner_step(self, step: int) -> None:
         """The learner has taken ``step`` steps (it publishes version ``step`` after them)."""
-        self.ledger_state.learner_step = max(self.ledger_state.learner_step, step)
+        if step > self.ledger_state.learner_step:
+            self.ledger_state.learner_step = step
+            self.revision += 1
 
     @property
     def step(self) -> int:
@@ -189,6 +195,7 @@ class Dispatcher:
         for rid in group.request_ids:
             self._group_of[rid] = group.group_id
         self.ledger_state.counts(version).dispatched += 1
+        self.revision += 1
         return Admission(True, version, requests)
 
     def _build(self, prompt: Prompt, version: int, at: float) -> tuple[RolloutRequest, ...]:
@@ -228,6 +235,7 @@ class Dispatcher:
         group.done.add(request_id)
         if group.finished:
             self.ledger_state.counts(group.version).finished += 1
+            self.revision += 1
             return True
         return False
 
@@ -241,6 +249,7 @@ class Dispatcher:
                 continue
             group.consumed = True
             self.ledger_state.counts(group.version).consumed += 1
+            self.revision += 1
             for rid in group.request_ids:
                 self._group_of.pop(rid, None)
             del self._groups[gid]
