@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from dora.aio import cancel_all
 from dora.bus import Bus, ConsumerSpec, Message, Subscription
 from dora.events import (
     DeadLetter,
@@ -99,9 +100,7 @@ class DispatchService:
         try:
             await self._dispatch_loop(prompts)
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_all(tasks)
             await status.unsubscribe()
             for consumer in (*consumers.values(), prompts):
                 await consumer.close()
@@ -197,10 +196,11 @@ class DispatchService:
 
     def _on_metrics(self, data: bytes) -> None:
         metrics = Metrics.model_validate_json(data)
+        taken = metrics.step + 1  # Metrics.step is the index of the step just taken
         if metrics.consumed_groups:
-            self.dispatcher.on_consumed(metrics.consumed_groups, learner_step=metrics.step)
+            self.dispatcher.on_consumed(metrics.consumed_groups, learner_step=taken)
         else:
-            self.dispatcher.observe_learner_step(metrics.step)
+            self.dispatcher.observe_learner_step(taken)
 
     def _on_weights(self, data: bytes) -> None:
         self.dispatcher.observe_weights(WeightVersion.model_validate_json(data).version)

@@ -31,6 +31,7 @@ from typing import Any, Literal, TypeVar
 import structlog
 from pydantic import TypeAdapter, ValidationError
 
+from dora.aio import cancel_all
 from dora.bus import Bus, ConsumerSpec, Message
 from dora.engines.base import Engine, EngineError
 from dora.events import (
@@ -174,9 +175,7 @@ class Generator:
                 else:
                     await self._idle_wait()
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_all(tasks)
             await control.unsubscribe()
             await self._release_all()
             for consumer in self._consumers.values():
@@ -337,8 +336,9 @@ class Generator:
                 return ControlReply(ok=True)
             case Prioritize(request_ids=ids, priority=priority):
                 for rid in ids:
-                    if rid in self._held:
-                        await self._call(self.engine.set_priority, rid, priority)
+                    if rid in self._held and not self._held[rid].exported:
+                        with contextlib.suppress(EngineError):  # it may just have finished
+                            await self._call(self.engine.set_priority, rid, priority)
                 return ControlReply(ok=True)
             case ExportRequest():
                 return await self._export(command)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from dora.aio import cancel_all
 from dora.bus import Bus, ConsumerSpec, Subscription
 from dora.events import ControlReply, EngineStatus, Event, Ledger, Trajectory
 from dora.rollout.actions import (
@@ -92,9 +93,8 @@ class OrchestratorService:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.config.tick_s)
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, *self._migrations, return_exceptions=True)
+            await cancel_all(tasks)
+            await asyncio.gather(*self._migrations, return_exceptions=True)
             await status_sub.unsubscribe()
             await lengths.close()
             for consumer in self._queues.values():
