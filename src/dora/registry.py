@@ -17,6 +17,9 @@ BUILTIN_STAGES: dict[str, str] = {
     "rule_generator": "dora.stages.rule_generator:RuleGenerator",
     "verifier": "dora.stages.verifier:VerifierStage",
     "counting_sink": "dora.stages.counting_sink:CountingSink",
+    "rollout": "dora.stages.rollout:RolloutStage",
+    "learner": "dora.stages.learner:LearnerStage",
+    "recorder": "dora.stages.recorder:RecorderStage",
 }
 _registered: dict[str, type[Stage] | Stage] = {}
 

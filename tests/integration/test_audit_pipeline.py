@@ -18,7 +18,7 @@ COUNT = 24
 async def test_recorder_beside_quickstart(
     nats_bus: NatsBus, repo_root: Path, tmp_path: Path
 ) -> None:
-    spec = yaml.safe_load((repo_root / "pipelines" / "quickstart.yaml").read_text())
+    spec = yaml.safe_load((repo_root / "pipelines" / "echo.yaml").read_text())
     for entry in spec["stages"]:
         if entry["type"] == "prompt_source":
             entry["config"]["count"] = COUNT

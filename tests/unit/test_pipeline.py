@@ -71,7 +71,7 @@ def test_duplicate_names_and_source_replicas_are_refused() -> None:
 
 
 async def test_quickstart_yaml_runs_on_memory_bus(bus: MemoryBus, repo_root: Path) -> None:
-    pipe = load_pipeline(repo_root / "pipelines" / "quickstart.yaml", bus=bus)
+    pipe = load_pipeline(repo_root / "pipelines" / "echo.yaml", bus=bus)
     summary = await pipe.run()
     assert summary["completed"]
     sink = summary["stages"]["sink"]

@@ -133,6 +133,7 @@ class Pipeline:
                 for stage, replicas in self._entries
             ]
             for runner in self.runners:
+                runner.ctx.run_dir = self.run_dir
                 await runner.prepare()
             # downstream first, sources last: every consumer is ready before data flows
             for runner in sorted(self.runners, key=lambda r: r.stage.is_source):

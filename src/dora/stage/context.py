@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -75,6 +76,8 @@ class Context:
     event_id: str = ""
     log: Any = None
     held: Hold | None = None
+    run_dir: Path | None = None
+    """Where the run keeps its files (set by the pipeline; None for a bare runner)."""
 
     def __post_init__(self) -> None:
         if self.log is None:

@@ -1,4 +1,4 @@
-"""The quickstart end to end: `dora run` on the embedded nats-server, every prompt scored."""
+"""The echo pipeline end to end: `dora run` on the embedded nats-server, every prompt scored."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ COUNT = 24
 
 
 def small_quickstart(repo_root: Path, tmp_path: Path) -> Path:
-    spec = yaml.safe_load((repo_root / "pipelines" / "quickstart.yaml").read_text())
+    spec = yaml.safe_load((repo_root / "pipelines" / "echo.yaml").read_text())
     for entry in spec["stages"]:
         if entry["type"] == "prompt_source":
             entry["config"]["count"] = COUNT
