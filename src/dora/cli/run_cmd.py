@@ -109,10 +109,26 @@ def _print_summary(console: Console, summary: dict[str, Any], path: Path) -> Non
     console.print(f"{state}; summary: {path}")
 
 
+RUN_FILE = "run.json"
+"""Written at start: what ``--resume`` needs to continue the same run."""
+
+
+def _resume_target(run_dir: Path) -> tuple[Path, str, str | None]:
+    """Pipeline file, run id and NATS URL of an earlier run, from its ``run.json``."""
+    import json
+
+    path = run_dir / RUN_FILE
+    if not path.is_file():
+        raise typer.BadParameter(f"{run_dir} has no {RUN_FILE}; is it a dora run directory?")
+    info = json.loads(path.read_text())
+    return Path(info["pipeline"]), str(info["run_id"]), info.get("nats")
+
+
 def cli(
     pipeline: Annotated[
-        Path, typer.Argument(help="Pipeline YAML file, e.g. pipelines/quickstart.yaml.")
-    ],
+        Path | None,
+        typer.Argument(help="Pipeline YAML file, e.g. pipelines/quickstart.yaml."),
+    ] = None,
     nats: Annotated[
         str | None, typer.Option("--nats", help="NATS URL; default: start an embedded server.")
     ] = None,
@@ -122,19 +138,36 @@ def cli(
     run_id: Annotated[
         str | None, typer.Option("--run-id", help="Run id (prefixes every subject).")
     ] = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            "--resume",
+            help="Continue the run in this directory (same run id, streams and checkpoints).",
+        ),
+    ] = None,
 ) -> None:
     """Run a pipeline until its finite stages finish (or Ctrl-C), with live progress."""
+    import json
+
     from rich.console import Console
 
     from dora.pipeline import PipelineConfigError, PipelineError, load_pipeline
 
     console = Console()
+    if resume is not None:
+        pipeline, run_id, saved_nats = _resume_target(resume)
+        run_dir, nats = resume, nats or saved_nats
+    if pipeline is None:
+        raise typer.BadParameter("give a PIPELINE file, or --resume RUN_DIR")
     try:
         pipe = load_pipeline(pipeline, run_id=run_id, nats_url=nats, run_dir=run_dir)
     except PipelineConfigError as exc:
         console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
         raise typer.Exit(2) from exc
     console.print(f"run [bold]{pipe.run_id}[/bold] -> {pipe.run_dir}")
+    pipe.run_dir.mkdir(parents=True, exist_ok=True)
+    record = {"pipeline": str(pipeline.resolve()), "run_id": pipe.run_id, "nats": nats}
+    (pipe.run_dir / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
     try:
         summary = asyncio.run(_run(pipe, console))
     except asyncio.CancelledError:

@@ -30,7 +30,9 @@ class PromptSourceConfig(BaseModel):
 class PromptSource(Stage):
     """Publishes ``count`` prompts of a task to ``prompts``, then completes.
 
-    Event ids derive from the prompt id, so a restarted source republishes nothing new.
+    Event ids derive from the prompt id, so a restarted source republishes nothing new, and
+    its position is kept in the KV store (``source.<name>``), so a resumed run continues
+    after the last prompt it published instead of starting over.
     """
 
     name = "prompts"
@@ -42,8 +44,14 @@ class PromptSource(Stage):
         self.task: Task = make_task(self.config.task, **self.config.task_config)
 
     async def produce(self, ctx: Context) -> AsyncIterator[Event]:
-        for prompt in self.task.prompts(self.config.split, self.config.count, self.config.start):
+        key = f"source.{self.name}"
+        raw = await ctx.bus.kv_get(key)
+        done = int(raw) if raw else 0  # a resumed run continues where the source stopped
+        start, count = self.config.start + done, self.config.count - done
+        for i, prompt in enumerate(self.task.prompts(self.config.split, max(count, 0), start)):
             yield prompt.model_copy(update={"event_id": derived_id("prompt", prompt.prompt_id)})
+            if (done + i + 1) % 16 == 0 or i + 1 == count:
+                await ctx.bus.kv_put(key, str(done + i + 1).encode())
 
     def progress_total(self) -> int | None:
         return self.config.count
