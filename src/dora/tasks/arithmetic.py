@@ -19,6 +19,7 @@ Example (prompt, then completion)::
 
 from __future__ import annotations
 
+import itertools
 import re
 
 from pydantic import Field, model_validator
@@ -85,17 +86,18 @@ class ArithmeticTask(BaseTask):
 
     def __init__(self, config: ArithmeticConfig | None = None) -> None:
         self.config = config or ArithmeticConfig()
+        c = self.config
+        # Truncated zipf over the term count: P(n) ~ (n - min_terms + 1) ** -alpha.
+        self._counts = list(range(c.min_terms, c.max_terms + 1))
+        weights = [(n - c.min_terms + 1) ** -c.zipf_alpha for n in self._counts]
+        self._cum = list(itertools.accumulate(weights))
 
     def _draw(self, split: Split, index: int) -> list[int]:
         c = self.config
         for attempt in range(10_000):
             rng = rng_for(self.name, c.seed, split, index, attempt)
-            span = c.max_terms - c.min_terms + 1
-            extra = int(rng.zipf(c.zipf_alpha))
-            while extra > span:  # truncate by rejection: no spike at max_terms
-                extra = int(rng.zipf(c.zipf_alpha))
-            n = c.min_terms + extra - 1
-            terms = [int(v) for v in rng.integers(c.min_value, c.max_value + 1, size=n)]
+            n = rng.choices(self._counts, cum_weights=self._cum)[0]
+            terms = [rng.randint(c.min_value, c.max_value) for _ in range(n)]
             if split_of("+".join(map(str, terms)), c.eval_percent) == split:
                 return terms
         raise RuntimeError("could not draw a problem for the split")  # pragma: no cover

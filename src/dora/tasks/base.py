@@ -7,10 +7,10 @@ prompt, on any machine, so a restarted prompt source replays exactly what it pro
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dora.events import Prompt
@@ -51,10 +51,10 @@ def check_split(split: str) -> Split:
     return split  # type: ignore[return-value]
 
 
-def rng_for(*parts: object) -> np.random.Generator:
-    """A numpy generator seeded by a stable hash of ``parts`` (not Python's salted hash)."""
+def rng_for(*parts: object) -> random.Random:
+    """A generator seeded by a stable hash of ``parts`` (not Python's salted ``hash``)."""
     digest = hashlib.sha256(repr(parts).encode()).digest()
-    return np.random.default_rng(int.from_bytes(digest[:16], "little"))
+    return random.Random(int.from_bytes(digest[:16], "little"))
 
 
 def split_of(key: str, eval_percent: int) -> Split:

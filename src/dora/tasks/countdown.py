@@ -57,14 +57,14 @@ class CountdownTask(BaseTask):
         c = self.config
         for attempt in range(10_000):
             rng = rng_for(self.name, c.seed, split, index, attempt)
-            n = int(rng.integers(c.min_numbers, c.max_numbers + 1))
-            numbers = [int(v) for v in rng.integers(1, c.max_number + 1, size=n)]
+            n = rng.randint(c.min_numbers, c.max_numbers)
+            numbers = [rng.randint(1, c.max_number) for _ in range(n)]
             pool: list[tuple[int, str]] = [(v, str(v)) for v in numbers]
             steps: list[str] = []
             while len(pool) > 1:
-                i, j = (int(x) for x in rng.choice(len(pool), size=2, replace=False))
+                i, j = rng.sample(range(len(pool)), 2)
                 (a, ea), (b, eb) = pool[i], pool[j]
-                op = str(rng.choice(["+", "-", "*", "/"]))
+                op = rng.choice("+-*/")
                 if op == "-" and a < b:
                     (a, ea), (b, eb) = (b, eb), (a, ea)
                 if op == "/" and (b == 0 or a % b):

@@ -97,7 +97,8 @@ class DatasetTask(BaseTask):
     def __init__(self, config: DatasetConfig) -> None:
         self.config = config
         self.rows = self._load()
-        order = rng_for("dataset", config.seed, len(self.rows)).permutation(len(self.rows))
+        order = list(range(len(self.rows)))
+        rng_for("dataset", config.seed, len(self.rows)).shuffle(order)
         n_eval = config.eval_size
         if n_eval is None:
             n_eval = round(len(self.rows) * config.eval_fraction)

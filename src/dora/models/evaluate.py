@@ -1,0 +1,101 @@
+"""Accuracy of a model on a task's eval split, using the reference generator.
+
+Two numbers matter for RL: greedy accuracy (how good the start is) and, for groups of samples
+at temperature 1, how many groups are mixed (some right, some wrong) — only those give GRPO a
+non-zero advantage.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+from dora.events import Prompt
+from dora.models.generate import generate
+from dora.models.llama import LlamaModel
+from dora.models.tokenizer import CharTokenizer
+from dora.rewards import RewardService
+from dora.tasks import Task
+
+
+def _max_new_tokens(task: Task, tokenizer: CharTokenizer, prompts: list[Prompt]) -> int:
+    longest = max(len(tokenizer.encode(task.solve(p))) for p in prompts)
+    return int(longest * 1.25) + 16
+
+
+def _score(task: Task, prompts: list[Prompt], texts: list[str]) -> list[bool]:
+    service = RewardService(use_processes=False)
+    try:
+        return [
+            service.verifier_for(p.task).verify(t, p).correct
+            for p, t in zip(prompts, texts, strict=True)
+        ]
+    finally:
+        service.close()
+
+
+def complete(
+    model: LlamaModel,
+    tokenizer: CharTokenizer,
+    task: Task,
+    prompts: list[Prompt],
+    temperature: float = 0.0,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> list[str]:
+    """Completion texts of prompts, batched by similar expected length."""
+    if not prompts:
+        return []
+    order = sorted(range(len(prompts)), key=lambda i: len(task.solve(prompts[i])))
+    texts: list[str] = [""] * len(prompts)
+    for b in range(0, len(order), batch_size):
+        chunk = [prompts[i] for i in order[b : b + batch_size]]
+        ids = [tokenizer.encode(p.text, add_bos=True) for p in chunk]
+        outs = generate(
+            model,
+            tokenizer,
+            ids,
+            _max_new_tokens(task, tokenizer, chunk),
+            temperature=temperature,
+            seed=seed + b,
+        )
+        for i, out in zip(order[b : b + batch_size], outs, strict=True):
+            texts[i] = tokenizer.decode(out)
+    return texts
+
+
+def evaluate_task(
+    model: LlamaModel,
+    tokenizer: CharTokenizer,
+    task: Task,
+    eval_prompts: int = 128,
+    group_prompts: int = 16,
+    group_size: int = 8,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Greedy accuracy (overall and by problem size) and group-of-``group_size`` statistics."""
+    result: dict[str, Any] = {}
+    prompts = list(task.prompts("eval", eval_prompts))
+    if prompts:
+        correct = _score(task, prompts, complete(model, tokenizer, task, prompts))
+        result["accuracy"] = float(np.mean(correct))
+        result["n"] = len(prompts)
+        sizes = [len(tokenizer.encode(task.solve(p))) for p in prompts]
+        edges = [0, 32, 64, 128, 256, 10**9]
+        for lo, hi in itertools.pairwise(edges):
+            picked = [c for c, s in zip(correct, sizes, strict=True) if lo <= s < hi]
+            if picked:
+                result[f"accuracy_len_{lo}_{hi if hi < 10**9 else 'inf'}"] = float(np.mean(picked))
+    if group_prompts:
+        base = list(task.prompts("eval", group_prompts))
+        repeated = [p for p in base for _ in range(group_size)]
+        texts = complete(model, tokenizer, task, repeated, temperature=1.0, seed=seed + 1)
+        ok = np.array(_score(task, repeated, texts)).reshape(group_prompts, group_size)
+        per_group = ok.mean(1)
+        result["sample_accuracy_t1"] = float(ok.mean())
+        result["groups_mixed"] = float(np.mean((per_group > 0) & (per_group < 1)))
+        result["groups_all_wrong"] = float(np.mean(per_group == 0))
+        result["groups_all_right"] = float(np.mean(per_group == 1))
+    return result

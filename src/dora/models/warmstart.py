@@ -1,0 +1,267 @@
+"""Warm start: supervised fine-tuning of the tiny model on a task's reference solutions.
+
+RL needs a policy that already solves some problems (so rewards within a GRPO group differ)
+but not all (so there is room to improve). ``warmstart`` trains for a fixed, small budget on
+``task.solve`` demonstrations (loss on completion tokens only, packed rows, AdamW with warmup
+and cosine decay), measures greedy accuracy on the eval split, and caches the resulting HF
+directory under a hash of its config so every later run reuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from dora.models.checkpoint import build_model, save_pretrained
+from dora.models.evaluate import evaluate_task
+from dora.models.llama import LlamaModel
+from dora.models.tokenizer import CharTokenizer
+from dora.tasks import Task, make_task
+
+log = structlog.get_logger(__name__)
+
+FORMAT_VERSION = 1
+"""Bump when training code changes what a config produces (invalidates caches)."""
+RESULT_FILE = "warmstart.json"
+
+
+class WarmstartConfig(BaseModel):
+    """Everything that determines the warm-start checkpoint (hashed into the cache key)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    preset: str = "tiny"
+    model_overrides: dict[str, Any] = Field(default_factory=dict)
+    task: str = "arithmetic"
+    task_config: dict[str, Any] = Field(default_factory=dict)
+    steps: int = Field(default=220, ge=0)
+    batch_tokens: int = Field(default=2048, ge=64, description="Tokens per optimizer step.")
+    row_tokens: int = Field(default=512, ge=32, description="Length of a packed row.")
+    lr: float = Field(default=3e-3, gt=0.0)
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    warmup_steps: int = Field(default=15, ge=0)
+    weight_decay: float = Field(default=0.01, ge=0.0)
+    seed: int = 0
+    eval_prompts: int = Field(default=128, ge=0)
+    group_prompts: int = Field(default=16, ge=0, description="Prompts for the group-of-8 check.")
+    group_size: int = Field(default=8, ge=1)
+    threads: int = Field(default=2, ge=1)
+
+    def key(self) -> str:
+        """Cache key: hash of the config and the training-code version."""
+        canon = json.dumps({"v": FORMAT_VERSION, **self.model_dump()}, sort_keys=True)
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    """``$DORA_CACHE/warmstart`` (default ``.dora-cache/warmstart``)."""
+    return Path(os.environ.get("DORA_CACHE", ".dora-cache")) / "warmstart"
+
+
+def is_complete(directory: Path) -> bool:
+    """A finished warm-start directory (weights and result file present)."""
+    return (directory / RESULT_FILE).is_file() and (directory / "model.safetensors").is_file()
+
+
+def encode_example(tokenizer: CharTokenizer, prompt: str, completion: str) -> tuple[list[int], int]:
+    """``<bos> prompt completion <eos>`` and the index where the completion starts."""
+    head = tokenizer.encode(prompt, add_bos=True)
+    return head + tokenizer.encode(completion, add_eos=True), len(head)
+
+
+def packed_batches(
+    task: Task, tokenizer: CharTokenizer, rows: int, row_tokens: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Endless ``(ids, segment_ids, loss_mask)`` batches of ``rows x row_tokens`` tokens.
+
+    Whole examples are packed greedily into rows (an example never spans two rows); the loss
+    mask marks completion tokens, so prompts and padding carry no loss.
+    """
+    index = 0
+    pending: tuple[list[int], int] | None = None
+    while True:
+        ids = torch.full((rows, row_tokens), tokenizer.pad_token_id, dtype=torch.long)
+        seg = torch.zeros((rows, row_tokens), dtype=torch.long)
+        mask = torch.zeros((rows, row_tokens), dtype=torch.bool)
+        for r in range(rows):
+            used, segment = 0, 0
+            while True:
+                if pending is None:
+                    p = task.prompt("train", index)
+                    index += 1
+                    seq, start = encode_example(tokenizer, p.text, task.solve(p))
+                    pending = (seq[:row_tokens], start)
+                seq, start = pending
+                if used + len(seq) > row_tokens:
+                    if used == 0:  # pragma: no cover - truncated above
+                        raise AssertionError("example longer than a row")
+                    break
+                ids[r, used : used + len(seq)] = torch.tensor(seq)
+                seg[r, used : used + len(seq)] = segment
+                mask[r, used + start : used + len(seq)] = True
+                used += len(seq)
+                segment += 1
+                pending = None
+            seg[r, used:] = segment  # padding: its own segment, no loss
+        yield ids, seg, mask
+
+
+def lr_lambda(config: WarmstartConfig) -> Any:
+    """Linear warmup then cosine decay to ``min_lr_ratio``."""
+
+    def fn(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        span = max(1, config.steps - config.warmup_steps)
+        progress = min(1.0, (step - config.warmup_steps) / span)
+        return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (
+            1 + math.cos(math.pi * progress)
+        )
+
+    return fn
+
+
+def train(
+    model: LlamaModel, tokenizer: CharTokenizer, task: Task, config: WarmstartConfig, progress: bool
+) -> dict[str, Any]:
+    """The SFT loop; returns training statistics."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    rows = max(1, config.batch_tokens // config.row_tokens)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": config.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=config.lr,
+        betas=(0.9, 0.98),
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(config))
+    batches = packed_batches(task, tokenizer, rows, config.row_tokens)
+    model.train()
+    losses: list[float] = []
+    tokens = 0
+    start = time.perf_counter()
+    columns = (
+        TextColumn("[bold]warm start"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
+        TextColumn("{task.fields[tps]:.0f} tok/s"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, disable=not progress, transient=False) as bar:
+        job = bar.add_task("train", total=config.steps, loss=float("nan"), tps=0.0)
+        for _step in range(config.steps):
+            ids, seg, mask = next(batches)
+            logits = model(ids, segment_ids=seg)
+            target_mask = mask[:, 1:]
+            loss = F.cross_entropy(logits[:, :-1][target_mask], ids[:, 1:][target_mask])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(float(loss.detach()))
+            tokens += int(ids.numel())
+            elapsed = time.perf_counter() - start
+            bar.update(job, advance=1, loss=float(np.mean(losses[-10:])), tps=tokens / elapsed)
+    model.eval()
+    seconds = time.perf_counter() - start
+    return {
+        "steps": config.steps,
+        "tokens": tokens,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else 0.0,
+        "final_loss": float(np.mean(losses[-10:])) if losses else float("nan"),
+        "first_loss": losses[0] if losses else float("nan"),
+    }
+
+
+def completion_lengths(task: Task, tokenizer: CharTokenizer, n: int = 2000) -> dict[str, float]:
+    """Percentiles of reference completion lengths (tokens, with eos) on the train split."""
+    lengths = np.array([len(tokenizer.encode(task.solve(p))) + 1 for p in task.prompts("train", n)])
+    qs = {f"p{q}": float(np.percentile(lengths, q)) for q in (50, 90, 99)}
+    return {**qs, "mean": float(lengths.mean()), "max": float(lengths.max()), "n": n}
+
+
+def warmstart(
+    config: WarmstartConfig | None = None,
+    *,
+    cache_dir: Path | None = None,
+    out: Path | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> Path:
+    """The warm-start checkpoint directory of ``config`` (trained once, then cached).
+
+    ``out`` additionally copies the result there. ``force`` retrains even when cached.
+    """
+    config = config or WarmstartConfig()
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    target = root / config.key()
+    if force or not is_complete(target):
+        _build(config, target, progress)
+    else:
+        log.info("warmstart_cached", path=str(target))
+    if out is not None:
+        shutil.copytree(target, out, dirs_exist_ok=True)
+        return Path(out)
+    return target
+
+
+def _build(config: WarmstartConfig, target: Path, progress: bool) -> None:
+    torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0
+    wall = time.perf_counter()
+    model, tokenizer = build_model(config.preset, seed=config.seed, **config.model_overrides)
+    task = make_task(config.task, seed=config.seed, **config.task_config)
+    stats = train(model, tokenizer, task, config, progress)
+    ev = evaluate_task(
+        model,
+        tokenizer,
+        task,
+        eval_prompts=config.eval_prompts,
+        group_prompts=config.group_prompts,
+        group_size=config.group_size,
+        seed=config.seed,
+    )
+    result = {
+        "config": config.model_dump(),
+        "config_hash": config.key(),
+        "train": stats,
+        "eval": ev,
+        "lengths": completion_lengths(task, tokenizer),
+        "threads": config.threads,
+        "loadavg_1m_at_start": load,
+        "wall_seconds": round(time.perf_counter() - wall, 2),
+        "parameters": model.num_parameters(),
+    }
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_pretrained(model, tmp, tokenizer)
+    (tmp / RESULT_FILE).write_text(json.dumps(result, indent=2, default=float) + "\n")
+    shutil.rmtree(target, ignore_errors=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(target)
+    log.info("warmstart_done", path=str(target), accuracy=ev.get("accuracy"), **stats)
+
+
+def read_result(directory: Path) -> dict[str, Any]:
+    """The ``warmstart.json`` of a warm-start directory."""
+    return json.loads((Path(directory) / RESULT_FILE).read_text())
