@@ -31,6 +31,9 @@ def cli(
     staleness: int = typer.Option(1, min=0, help="K: staleness bound."),
     trainer_gpus: int = typer.Option(0, min=0, help="Trainer GPUs (0: as many as engines)."),
     plan_tick: float = typer.Option(20.0, min=0.001, help="Seconds between plan calls (dora)."),
+    plan_debounce: float = typer.Option(
+        1.0, min=0.0, help="Plan this soon after an old-version engine runs dry (dora)."
+    ),
     seed: int = typer.Option(0, min=0, help="Seed of prompts and lengths."),
     json_out: Path = typer.Option(Path("runs/sim/sim.json"), "--json", help="JSON output."),
     png_out: Path | None = typer.Option(None, "--png", help="PNG (default: next to JSON)."),
@@ -57,11 +60,12 @@ def cli(
             staleness=staleness,
             trainer_gpus=trainer_gpus or None,
             plan_tick_s=plan_tick,
+            plan_debounce_s=plan_debounce,
             seed=seed,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    console = Console()
+    console = Console(width=240)  # the table is wide; never truncate it in a pipe
     results = []
     t0 = time.perf_counter()
     from dataclasses import replace

@@ -101,6 +101,8 @@ def save_json(path: Path, cfg: SimConfig, results: list[SimResult], wall_s: floa
             "seed": cfg.seed,
             "trainer_gpus": cfg.trainer_gpus or "engines",
             "plan_tick_s": cfg.plan_tick_s,
+            "plan_debounce_s": cfg.plan_debounce_s,
+            "max_seqs": results[0].max_seqs if results else None,
         },
         "paper": PAPER,
         "wall_s": wall_s,
