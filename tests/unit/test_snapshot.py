@@ -105,3 +105,13 @@ def test_release_exported_frees_blocks() -> None:
     assert src.num_requests() == 1 and not src.has_work()  # type: ignore[attr-defined]
     src.release_exported("m")  # type: ignore[attr-defined]
     assert src.num_requests() == 0 and src.blocks.num_used == 0  # type: ignore[attr-defined]
+
+
+def test_read_header_is_cheap_and_checks_framing() -> None:
+    from dora.engines.snapshot import read_header
+
+    kv = torch.randn(1, 2, 1, 4, 1, 2)
+    data = encode_snapshot(_header(kv), tensor_bytes(kv))
+    assert read_header(data).request.request_id == "r"
+    with pytest.raises(SnapshotError, match="truncated"):
+        read_header(data[:-3])

@@ -44,8 +44,20 @@ def encode_snapshot(header: KVSnapshot, payload: bytes) -> bytes:
     return b"".join((MAGIC, _LEN.pack(len(head)), head, payload))
 
 
+def read_header(data: bytes) -> KVSnapshot:
+    """The header alone (request, version, sizes), without hashing the payload (cheap)."""
+    return _parse(data)[0]
+
+
 def decode_snapshot(data: bytes) -> tuple[KVSnapshot, memoryview]:
     """Parse and verify snapshot bytes; raise SnapshotError saying what is wrong."""
+    header, payload = _parse(data)
+    if hashlib.sha256(payload).hexdigest() != header.kv_sha256:
+        raise SnapshotError("snapshot KV payload is corrupt (sha256 mismatch)")
+    return header, payload
+
+
+def _parse(data: bytes) -> tuple[KVSnapshot, memoryview]:
     if not isinstance(data, bytes | bytearray | memoryview):
         raise SnapshotError(f"snapshot must be bytes, got {type(data).__name__}")
     view = memoryview(data)
@@ -69,8 +81,6 @@ def decode_snapshot(data: bytes) -> tuple[KVSnapshot, memoryview]:
             f"snapshot truncated or padded: KV payload has {len(payload)} bytes, "
             f"header says {header.kv_bytes}"
         )
-    if hashlib.sha256(payload).hexdigest() != header.kv_sha256:
-        raise SnapshotError("snapshot KV payload is corrupt (sha256 mismatch)")
     return header, payload
 
 
