@@ -24,7 +24,7 @@ import structlog
 from dora.aio import cancel_all
 from dora.bus import Bus, Subscription
 from dora.events import AssignVersion, EngineStatus, Event, WeightVersion
-from dora.rollout.generator import request_queue_spec
+from dora.rollout.generator import QUEUE_ACK_WAIT_S, request_queue_spec
 
 log = structlog.get_logger(__name__)
 
@@ -34,8 +34,16 @@ BaselineMode = Literal["sync", "one_step_off", "partial"]
 class BaselineController:
     """``await run()`` until ``stop()``: assigns engines to the newest published version."""
 
-    def __init__(self, bus: Bus, mode: BaselineMode, tick_s: float = 0.1) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        mode: BaselineMode,
+        tick_s: float = 0.1,
+        queue_ack_wait_s: float = QUEUE_ACK_WAIT_S,
+    ) -> None:
+        """``queue_ack_wait_s``: the generators' (see ``request_queue_spec``)."""
         self.bus = bus
+        self.queue_ack_wait_s = queue_ack_wait_s
         self.mode = mode
         self.tick_s = tick_s
         self.newest = 0
@@ -78,7 +86,7 @@ class BaselineController:
     async def _queue_depth(self, version: int) -> int:
         if version not in self._queues:
             self._queues[version] = await self.bus.consumer(
-                request_queue_spec(self.bus.subjects, version)
+                request_queue_spec(self.bus.subjects, version, self.queue_ack_wait_s)
             )
         return int((await self._queues[version].state()).pending)  # type: ignore[attr-defined]
 

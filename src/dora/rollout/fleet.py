@@ -47,7 +47,14 @@ class RolloutFleet:
         weights: WeightSource,
         config: FleetConfig,
         tokenize: Tokenize | None = None,
+        engine_buses: Sequence[Bus] | None = None,
     ) -> None:
+        """``engine_buses``: one client per generator, as separate processes would have (so
+        one can lose its connection alone); by default they all share ``bus``."""
+        if engine_buses is not None and len(engine_buses) != len(engines):
+            raise ValueError(
+                f"engine_buses: {len(engine_buses)} clients for {len(engines)} engines"
+            )
         self.bus = bus
         self.config = config
         dispatcher_config = replace(config.dispatcher, mode=config.mode)
@@ -57,7 +64,7 @@ class RolloutFleet:
         self.generators = [
             Generator(
                 engine,
-                bus,
+                engine_buses[i] if engine_buses is not None else bus,
                 weights,
                 replace(
                     config.generator,
@@ -66,13 +73,18 @@ class RolloutFleet:
                     initial_version=0,
                 ),
             )
-            for engine in engines
+            for i, engine in enumerate(engines)
         ]
         self.controller: OrchestratorService | BaselineController
+        # Controllers may create a version's queue consumer before any engine does: it must
+        # carry the generators' ack wait (JetStream keeps the first definition).
+        ack_wait = config.generator.queue_ack_wait_s
         if config.mode == "dora":
-            self.controller = OrchestratorService(bus, config.orchestrator)
+            self.controller = OrchestratorService(
+                bus, replace(config.orchestrator, queue_ack_wait_s=ack_wait)
+            )
         else:
-            self.controller = BaselineController(bus, config.mode)
+            self.controller = BaselineController(bus, config.mode, queue_ack_wait_s=ack_wait)
         self._tasks: list[asyncio.Task[Any]] = []
 
     async def start(self) -> None:

@@ -287,8 +287,11 @@ class Generator:
         self._room.set()
 
     async def _heartbeat(self) -> None:
+        # Beat well within the ack wait, or live requests would be redelivered (regenerated
+        # twice) when a short ack wait is configured for fast failover.
+        interval = min(self.config.heartbeat_interval_s, self.config.queue_ack_wait_s / 3)
         while True:
-            await asyncio.sleep(self.config.heartbeat_interval_s)
+            await asyncio.sleep(interval)
             for held in list(self._held.values()):
                 await held.lease.in_progress()
 

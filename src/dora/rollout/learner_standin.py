@@ -58,6 +58,8 @@ class LearnerStandin:
     consumed: list[ConsumedRecord] = field(default_factory=list)
     wait_s: float = 0.0
     durable: str = "learner"
+    duplicates: int = 0
+    """Samples of a request already received (the learner ignores them; tests assert 0)."""
 
     async def run(self) -> None:
         buffer = GroupBuffer(self.config.staleness_bound)
@@ -70,6 +72,8 @@ class LearnerStandin:
                     outcome = buffer.add(scored, step=self.step)
                     if outcome is AddOutcome.REFUSED:
                         raise AssertionError(f"stand-in got a too-stale sample: {scored}")
+                    if outcome is AddOutcome.DUPLICATE:
+                        self.duplicates += 1
                     await msg.ack()
                 raw = await self.bus.kv_get("ledger")
                 ledger = Ledger.model_validate_json(raw) if raw else None

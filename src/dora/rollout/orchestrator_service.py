@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import structlog
@@ -31,7 +32,7 @@ from dora.rollout.actions import (
     PrioritizeRequests,
 )
 from dora.rollout.estimates import LengthRecorder
-from dora.rollout.generator import request_queue_spec
+from dora.rollout.generator import QUEUE_ACK_WAIT_S, request_queue_spec
 from dora.rollout.migrator import Migrator
 from dora.rollout.orchestrator import DEFAULT_CONFIG, OrchestratorConfig, plan
 from dora.rollout.state import ClusterState, EngineView, RequestView
@@ -46,6 +47,10 @@ class OrchestratorServiceConfig:
     tick_s: float = 0.25
     engine_timeout_s: float = 5.0
     command_timeout_s: float = 10.0
+    queue_ack_wait_s: float = QUEUE_ACK_WAIT_S
+    """Ack wait of a request-queue consumer this service creates before any engine does; it
+    must be the generators' (JetStream keeps the first definition, so a longer one here
+    would delay the redelivery of a dead engine's requests)."""
     policy: OrchestratorConfig = field(default_factory=lambda: DEFAULT_CONFIG)
 
 
@@ -72,6 +77,7 @@ class OrchestratorService:
         self.actions: list[tuple[float, Action]] = []
         self.ledger: Ledger | None = None
         self._queues: dict[int, object] = {}
+        self._orphans_since: dict[int, float] = {}
         self._stop = asyncio.Event()
         self._migrations: set[asyncio.Task[None]] = set()
 
@@ -123,12 +129,29 @@ class OrchestratorService:
         raw = await self.bus.kv_get("ledger")
         return None if raw is None else Ledger.model_validate_json(raw)
 
-    async def _queue_depth(self, version: int) -> int:
+    async def _queue_depth(self, version: int, held: int, now: float) -> int:
+        """Requests of ``version`` no live engine holds: never delivered, plus *orphans*.
+
+        An orphan is a request delivered to an engine that died: it stays unacked (counted
+        in ``ack_pending``) until its lease expires and it is redelivered, and no live engine
+        reports it. Unless it counts as queued work, ``plan`` may leave its version without a
+        puller and the redelivered request would wait forever. The excess of unacked over
+        held requests also shows briefly after every pull or during a migration (status
+        lags), so it counts only once it has lasted ``engine_timeout_s``.
+        """
         if version not in self._queues:
-            spec = request_queue_spec(self.bus.subjects, version)
+            spec = request_queue_spec(self.bus.subjects, version, self.config.queue_ack_wait_s)
             self._queues[version] = await self.bus.consumer(spec)
         state = await self._queues[version].state()  # type: ignore[attr-defined]
-        return int(state.pending)
+        excess = int(state.ack_pending) - held
+        if excess <= 0:
+            self._orphans_since.pop(version, None)
+            return int(state.pending)
+        since = self._orphans_since.setdefault(version, now)
+        orphans = excess if now - since >= self.config.engine_timeout_s else 0
+        if orphans:
+            log.info("orphaned_requests", version=version, count=orphans)
+        return int(state.pending) + orphans
 
     # ------------------------------------------------------------------ state
 
@@ -140,12 +163,16 @@ class OrchestratorService:
         learner_step = ledger.learner_step if ledger else 0
         versions = {v.version for v in ledger.versions} if ledger else set()
         engines = []
+        held: Counter[int] = Counter()
         for _, (status, seen) in sorted(self.status.items()):
             gone = now - seen > self.config.engine_timeout_s
             engines.append(self._view(status, "stopped" if gone else None))
             if status.assigned_version is not None:
                 versions.add(status.assigned_version)
-        depths = {v: await self._queue_depth(v) for v in sorted(versions)}
+            if not gone:
+                held.update(r.version for r in status.requests)
+                versions.update(held)
+        depths = {v: await self._queue_depth(v, held[v], now) for v in sorted(versions)}
         return ClusterState(
             now=now,
             engines=tuple(engines),
