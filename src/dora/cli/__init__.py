@@ -8,7 +8,6 @@ turns into a command) or ``app`` (a sub-typer).
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _dist_version
 
