@@ -25,7 +25,12 @@ from dora.bus import Bus, ConsumerSpec, NatsBus
 from dora.bus.server import NatsServer
 from dora.events import (
     BlobRef,
+    ControlReply,
+    Event,
+    ExportRequest,
+    Migrate,
     Prompt,
+    RolloutRequest,
     SamplingParams,
     ScoredTrajectory,
     Trajectory,
@@ -33,8 +38,9 @@ from dora.events import (
 )
 from dora.rollout.dispatcher import DispatcherConfig
 from dora.rollout.fleet import FleetConfig, RolloutFleet
-from dora.rollout.generator import Generator, GeneratorConfig
+from dora.rollout.generator import Generator, GeneratorConfig, request_queue_spec
 from dora.rollout.learner_standin import LearnerStandin, StandinConfig
+from dora.rollout.migrator import Migrator
 from dora.rollout.orchestrator import OrchestratorConfig
 from dora.rollout.orchestrator_service import OrchestratorServiceConfig
 from dora.subjects import Subjects
@@ -235,3 +241,199 @@ async def test_engine_killed_mid_run(nats_server: NatsServer, subjects: Subjects
         traj = by_id[rid]
         assert traj.version == version
         assert traj.engines[0] != "e0" or traj.migrations, "regenerated from scratch elsewhere"
+
+
+# --------------------------------------------------------------------------- 2. migrations
+
+
+def request(i: int, max_tokens: int = 24) -> RolloutRequest:
+    prompt = Prompt(prompt_id=f"p{i}", text="1+1=", answer="2")
+    return RolloutRequest(
+        event_id=f"req-{i}",
+        request_id=f"r{i}",
+        prompt=prompt,
+        prompt_token_ids=(5, 6, 7),
+        group_id=f"g{i}",
+        group_index=0,
+        sampling=SamplingParams(seed=i, max_tokens=max_tokens),
+        version=0,
+    )
+
+
+def generator(bus: Bus, engine_id: str, **kw: Any) -> Generator:
+    kw.setdefault("initial_version", 0)
+    kw.setdefault("queue_ack_wait_s", ACK_WAIT_S)
+    return Generator(FakeEngine(engine_id), bus, no_weights, GeneratorConfig(engine_id, **kw))
+
+
+@dataclass
+class Node:
+    """A generator on its own connection, running in its own task."""
+
+    gen: Generator
+    bus: NatsBus
+    task: asyncio.Task[None]
+
+    @property
+    def engine(self) -> FakeEngine:
+        return self.gen.engine  # type: ignore[return-value]
+
+
+@contextlib.asynccontextmanager
+async def nodes(
+    server: NatsServer, subjects: Subjects, *specs: tuple[str, dict[str, Any]]
+) -> AsyncIterator[list[Node]]:
+    out: list[Node] = []
+    for engine_id, kw in specs:
+        client = await connect(server, subjects)
+        freeze = kw.pop("freeze_at", None)
+        gen = generator(client, engine_id, **kw)
+        gen.engine.freeze_at = freeze  # type: ignore[attr-defined]
+        out.append(Node(gen, client, asyncio.create_task(gen.run())))
+    await asyncio.gather(*(n.gen.ready.wait() for n in out))
+    try:
+        yield out
+    finally:
+        for n in out:
+            n.gen.stop()
+        for n in out:
+            with contextlib.suppress(BaseException):
+                await n.task
+            if n.bus._nc is not None and not n.bus.nc.is_closed:
+                await n.bus.close()
+
+
+class HookedMigrator(Migrator):
+    """Runs ``after_export`` once the source has handed over the snapshot and the lease."""
+
+    def __init__(self, bus: Bus, after_export: Callable[[], Any], timeout_s: float) -> None:
+        super().__init__(bus, timeout_s=timeout_s)
+        self.after_export = after_export
+
+    async def _command(self, engine: str, command: Event) -> ControlReply:
+        reply = await super()._command(engine, command)
+        if isinstance(command, ExportRequest):
+            await self.after_export()
+        return reply
+
+
+async def one_trajectory(bus: NatsBus, audit: Any) -> Trajectory:
+    """The single trajectory of the request, and proof its queue message is settled."""
+    got: list[Trajectory] = []
+    async with asyncio.timeout(15):
+        while not got:
+            got = await drain_trajectories(audit)
+    assert len(got) == 1, f"{len(got)} trajectories for one request"
+    queue = await bus.consumer(request_queue_spec(bus.subjects, 0, ACK_WAIT_S))
+    async with asyncio.timeout(10):
+        while (await queue.state()).depth:
+            await asyncio.sleep(0.02)
+    assert await drain_trajectories(audit) == [], "a second trajectory after settlement"
+    return got[0]
+
+
+MIGRATE = Migrate(source="src", target="dst", version=0, request_ids=("r1",))
+
+
+async def test_migration_target_never_answers(
+    nats_server: NatsServer, subjects: Subjects, nats_bus: NatsBus
+) -> None:
+    """The target takes the import and hangs: timeout, restore, the source finishes intact."""
+    audit = await nats_bus.consumer(ConsumerSpec("audit", nats_bus.subjects.trajectories))
+    hung = asyncio.Event()
+    release = asyncio.Event()
+
+    async def never_answers(data: bytes) -> bytes:
+        hung.set()
+        await release.wait()
+        return ControlReply(ok=False, error="too late").model_dump_json().encode()
+
+    await nats_bus.publish_event(nats_bus.subjects.requests(0), request(1))
+    async with nodes(nats_server, subjects, ("src", {"freeze_at": 7})) as (src,):
+        await until(lambda: any(len(s.tokens) == 7 for s in src.engine.running.values()))
+        target = await connect(nats_server, subjects)
+        served = await target.serve(target.subjects.control("dst"), never_answers)
+        try:
+            (outcome,) = await Migrator(nats_bus, timeout_s=0.5).execute(MIGRATE)
+        finally:
+            release.set()
+            await served.unsubscribe()
+            await target.close()
+        assert hung.is_set() and not outcome.ok and outcome.reason.startswith("import:")
+        assert src.gen.stats.restored == 1 and "r1" in src.engine.running
+        src.engine.freeze_at = None
+        traj = await one_trajectory(nats_bus, audit)
+    assert traj.engines == ("src",) and traj.migrations == ()
+    assert traj.completion_token_ids == tokens(1, 24)
+
+
+async def test_migration_target_dies_after_export(
+    nats_server: NatsServer, subjects: Subjects, nats_bus: NatsBus
+) -> None:
+    audit = await nats_bus.consumer(ConsumerSpec("audit", nats_bus.subjects.trajectories))
+    await nats_bus.publish_event(nats_bus.subjects.requests(0), request(1))
+    specs = [("src", {"freeze_at": 7}), ("dst", {"max_running": 0})]
+    async with nodes(nats_server, subjects, *specs) as (src, dst):
+        await until(lambda: any(len(s.tokens) == 7 for s in src.engine.running.values()))
+
+        async def target_dies() -> None:
+            await kill(dst.bus, dst.task)
+
+        migrator = HookedMigrator(nats_bus, target_dies, timeout_s=2.0)
+        (outcome,) = await migrator.execute(MIGRATE)
+        assert not outcome.ok and outcome.reason.startswith("import:")
+        assert src.gen.stats.restored == 1
+        src.engine.freeze_at = None
+        traj = await one_trajectory(nats_bus, audit)
+    assert traj.engines == ("src",) and traj.migrations == ()
+    assert traj.completion_token_ids == tokens(1, 24)
+
+
+async def test_migration_source_dies_after_export(
+    nats_server: NatsServer, subjects: Subjects, nats_bus: NatsBus
+) -> None:
+    """The target imported the lease: it finishes the request and settles its message."""
+    audit = await nats_bus.consumer(ConsumerSpec("audit", nats_bus.subjects.trajectories))
+    await nats_bus.publish_event(nats_bus.subjects.requests(0), request(1))
+    specs = [("src", {"freeze_at": 7}), ("dst", {"max_running": 0})]
+    async with nodes(nats_server, subjects, *specs) as (src, dst):
+        await until(lambda: any(len(s.tokens) == 7 for s in src.engine.running.values()))
+        dst.engine.freeze_at = 12
+
+        async def source_dies() -> None:
+            await kill(src.bus, src.task)
+
+        (outcome,) = await HookedMigrator(nats_bus, source_dies, timeout_s=2.0).execute(MIGRATE)
+        assert outcome.ok  # the release failed, but the target owns the request
+        await until(lambda: any(len(s.tokens) == 12 for s in dst.engine.running.values()))
+        # Only the target's heartbeats keep the lease now. A spare engine of the version would
+        # get the request if the lease lapsed; the window for that is one ack wait, so it has
+        # to elapse (a negative check: nothing may happen in it).
+        async with nodes(nats_server, subjects, ("spare", {})) as (spare,):
+            await asyncio.sleep(2.5 * ACK_WAIT_S)
+            dst.engine.freeze_at = None
+            traj = await one_trajectory(nats_bus, audit)
+        assert spare.gen.stats.pulled == 0, "the lease lapsed: the request was redelivered"
+    assert traj.engines == ("src", "dst")
+    assert [(m.source, m.target, m.at_token) for m in traj.migrations] == [("src", "dst", 7)]
+    assert traj.completion_token_ids == tokens(1, 24)
+
+
+async def test_migrator_dies_after_export(
+    nats_server: NatsServer, subjects: Subjects, nats_bus: NatsBus
+) -> None:
+    """No import, restore or release ever comes: the source restores the request itself."""
+    audit = await nats_bus.consumer(ConsumerSpec("audit", nats_bus.subjects.trajectories))
+    await nats_bus.publish_event(nats_bus.subjects.requests(0), request(1))
+    async with nodes(nats_server, subjects, ("src", {"export_timeout_s": 0.5})) as (src,):
+        src.engine.freeze_at = 7
+        await until(lambda: any(len(s.tokens) == 7 for s in src.engine.running.values()))
+        command = ExportRequest(engine_id="src", request_id="r1", blob_name="kv-r1-orphan")
+        raw = await nats_bus.request(
+            nats_bus.subjects.control("src"), command.model_dump_json().encode()
+        )
+        assert ControlReply.model_validate_json(raw).ok and "r1" in src.engine.exported
+        src.engine.freeze_at = None  # the migrator is gone: nothing else will happen
+        traj = await one_trajectory(nats_bus, audit)
+    assert src.gen.stats.restored == 1
+    assert traj.engines == ("src",) and traj.completion_token_ids == tokens(1, 24)

@@ -100,6 +100,11 @@ class GeneratorConfig:
     fetch_timeout_s: float = 0.5
     status_interval_s: float = 0.5
     heartbeat_interval_s: float = 5.0
+    export_timeout_s: float = 120.0
+    """An exported request neither released nor restored within this is restored here: the
+    migrator died mid-protocol. Without it the request (and its KV) would be parked forever,
+    its lease kept alive by our heartbeats. Keep it above the migrator's timeouts (import +
+    release); a late import elsewhere only means a duplicate, dropped by trajectory dedupe."""
     queue_ack_wait_s: float = QUEUE_ACK_WAIT_S
     """Used when this generator is the first to create its version's queue consumer."""
     initial_version: int | None = None
@@ -111,6 +116,7 @@ class _Held:
 
     lease: Message
     exported: bool = False
+    exported_at: float = 0.0
 
 
 @dataclass
@@ -294,6 +300,20 @@ class Generator:
             await asyncio.sleep(interval)
             for held in list(self._held.values()):
                 await held.lease.in_progress()
+            await self._reclaim_stale_exports()
+
+    async def _reclaim_stale_exports(self) -> None:
+        deadline = time.monotonic() - self.config.export_timeout_s
+        for rid, held in list(self._held.items()):
+            if held.exported and held.exported_at < deadline:
+                try:
+                    await self._call(self.engine.restore_exported, rid)
+                except (EngineError, KeyError):  # released or restored meanwhile
+                    continue
+                held.exported = False
+                self.stats.restored += 1
+                self._log.warning("stale_export_restored", request=rid)
+                self._wake.set()
 
     async def _report_status(self) -> None:
         while True:
@@ -408,6 +428,7 @@ class Generator:
         held = self._held[command.request_id]
         snapshot = await self._call(self.engine.export_request, command.request_id)
         held.exported = True
+        held.exported_at = time.monotonic()
         try:
             blob = await self.bus.put_blob(command.blob_name, snapshot)
         except Exception:
