@@ -1,0 +1,160 @@
+"""``dora bench modes --task arithmetic``: real training, ``sync`` vs ``dora``, same warm start.
+
+Each (mode, seed) runs the quickstart pipeline (built-in engines, verifier, GRPO learner on
+an embedded nats-server) with the mode switched and a fixed number of learner steps, keeping
+a checkpoint every few steps. Afterwards every checkpoint is evaluated greedily on the same
+held-out prompts, giving eval accuracy per trajectory consumed (steps x B x G) and per
+wall-clock second (from the learner's step times). dora should match sync per trajectory and
+be ahead per second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+QUICKSTART = Path("pipelines/quickstart.yaml")
+
+
+def _spec(mode: str, seed: int, steps: int, task: str, every: int) -> dict[str, Any]:
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    for entry in spec["stages"]:
+        config = entry.setdefault("config", {})
+        if entry["type"] == "rollout":
+            config.update(mode=mode, seed=seed)
+        elif entry["type"] == "learner":
+            learner = config.setdefault("learner", {})
+            learner.update(
+                max_steps=steps, checkpoint_every=every, keep_checkpoints=steps // every + 2
+            )
+            config["eval"] = {"task": task, "prompts": 0}
+        elif entry["type"] == "prompt_source":
+            config["task"] = task
+    return spec
+
+
+def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    out = []
+    for path in sorted((run_dir / "checkpoints").glob("step_*")):
+        if (path / "model" / "model.safetensors").is_file():
+            out.append((int(path.name.split("_")[1]), path / "model"))
+    return out
+
+
+def _evaluate(model_dir: Path, task: str, prompts: int) -> float:
+    from dora.models import load_pretrained, load_tokenizer
+    from dora.models.evaluate import evaluate_task
+    from dora.tasks import make_task
+
+    scores = evaluate_task(
+        load_pretrained(model_dir),
+        load_tokenizer(model_dir),
+        make_task(task),
+        eval_prompts=prompts,
+        group_prompts=0,
+    )
+    return float(scores.get("accuracy", 0.0))
+
+
+def _run_one(mode: str, seed: int, steps: int, task: str, out: Path) -> dict[str, Any]:
+    from dora.learner.metrics import read_metrics
+    from dora.pipeline import load_pipeline
+
+    every = max(1, steps // 4)
+    run_dir = out / f"{mode}-s{seed}"
+    path = out / f"{mode}-s{seed}.yaml"
+    path.write_text(yaml.safe_dump(_spec(mode, seed, steps, task, every)))
+    pipeline = load_pipeline(path, run_id=f"bench-{mode}-s{seed}", run_dir=run_dir)
+    started = time.time()
+    asyncio.run(pipeline.run())
+    metrics = read_metrics(run_dir)
+    step_time = {m["step"] + 1: m["time"] - started for m in metrics}
+    spec = _spec(mode, seed, steps, task, every)
+    rollout = next(e["config"] for e in spec["stages"] if e["type"] == "rollout")
+    per_step = rollout["batch_groups"] * rollout["group_size"]
+    return {
+        "mode": mode,
+        "seed": seed,
+        "run_dir": str(run_dir),
+        "wall_s": time.time() - started,
+        "per_step": per_step,
+        "step_time": step_time,
+        "checkpoints": _checkpoints(run_dir),
+    }
+
+
+def run_task_comparison(
+    task: str, modes: list[str], seeds: list[int], steps: int, out: Path | None
+) -> None:
+    """Train each mode per seed, evaluate the checkpoints, print + save table and PNG."""
+    from dora.bench.report import print_table, save_rows
+
+    out = out or Path("runs/bench") / f"modes-{task}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    eval_prompts = 128
+    runs = [_run_one(mode, seed, steps, task, out) for seed in seeds for mode in modes]
+    rows = []
+    start_dir = _start_model(out, modes[0], seeds[0], task)
+    start_acc = _evaluate(start_dir, task, eval_prompts)
+    for run in runs:
+        for step, model_dir in run["checkpoints"]:
+            rows.append(
+                {
+                    "mode": run["mode"],
+                    "seed": run["seed"],
+                    "step": step,
+                    "trajectories": step * run["per_step"],
+                    "seconds": round(run["step_time"].get(step, float("nan")), 1),
+                    "eval_accuracy": round(_evaluate(model_dir, task, eval_prompts), 4),
+                }
+            )
+    print_table(f"dora bench modes --task {task} (warm start accuracy {start_acc:.3f})", rows)
+    saved = save_rows(
+        f"modes-{task}", rows, meta={"start_accuracy": start_acc, "steps": steps, "seeds": seeds}
+    )
+    (out / "rows.json").write_text(json.dumps(rows, indent=2))
+    _plot(rows, start_acc, out / "modes-task.png")
+    print(f"saved {saved} and {out / 'modes-task.png'}")
+
+
+def _start_model(out: Path, mode: str, seed: int, task: str) -> Path:
+    from dora.stages.model_source import ModelSource
+
+    spec = yaml.safe_load((out / f"{mode}-s{seed}.yaml").read_text())
+    learner = next(e["config"] for e in spec["stages"] if e["type"] == "learner")
+    return ModelSource(**learner["model"]).resolve(progress=False)
+
+
+def _plot(rows: list[dict[str, Any]], start: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for mode in sorted({r["mode"] for r in rows}):
+        for seed in sorted({r["seed"] for r in rows if r["mode"] == mode}):
+            mine = sorted(
+                (r for r in rows if r["mode"] == mode and r["seed"] == seed),
+                key=lambda r: r["step"],
+            )
+            xs_t = [0] + [r["trajectories"] for r in mine]
+            xs_s = [0.0] + [r["seconds"] for r in mine]
+            ys = [start] + [r["eval_accuracy"] for r in mine]
+            label = f"{mode} seed {seed}"
+            axes[0].plot(xs_t, ys, marker="o", label=label)
+            axes[1].plot(xs_s, ys, marker="o", label=label)
+    axes[0].set_xlabel("trajectories consumed")
+    axes[1].set_xlabel("wall-clock seconds")
+    for ax in axes:
+        ax.set_ylabel("eval accuracy (greedy)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
