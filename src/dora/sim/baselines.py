@@ -209,14 +209,21 @@ class StalenessWindow:
         self.ready.append(group)
 
     def select(self, step: int) -> list[Group] | None:
-        """The batch for learner ``step``, or None while it must wait."""
+        """The batch for learner ``step``, or None while it must wait.
+
+        Every group whose deadline is this step is in the batch, even beyond B (an oversize
+        batch, which the ledger accounts exactly): taking only B oldest could leave a group
+        past its deadline when newer groups were consumed while it was still running.
+        """
         for v, c in self.ledger.versions.items():
             if c.dispatched > c.finished and v + self.bound <= step:
                 return None  # an urgent group is still running: it must be in this batch
         if len(self.ready) < self.batch:
             return None
         self.ready.sort(key=lambda g: (g.version, g.finished_at))
-        batch, self.ready = self.ready[: self.batch], self.ready[self.batch :]
+        urgent = sum(1 for g in self.ready if g.version + self.bound <= step)
+        size = max(self.batch, urgent)
+        batch, self.ready = self.ready[:size], self.ready[size:]
         for g in batch:
             self.ledger.counts(g.version).consumed += 1
         return batch
