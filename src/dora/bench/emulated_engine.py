@@ -1,0 +1,106 @@
+"""Timing-model engines for the emulated fleet, aligned with the simulator's draws.
+
+``PacedSimEngine`` is a ``SimEngine`` that behaves in a live fleet as the simulator's engine
+does in virtual time: same response lengths, idle time not credited back, throughput reported
+per wall second (what the live orchestrator measures).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dora.engines.sim import RequestSpec, SimEngine, Workload
+from dora.events import EngineStatus, RolloutRequest
+
+
+class GroupSpecs:
+    """Lengths as the simulator draws them: prompt ``p<n>`` is the simulator's group ``n``.
+
+    Both dispatch prompts in order, so sample ``i`` of the n-th group has the same prompt and
+    response length in the simulator and in the emulated fleet, whatever engine runs it.
+    """
+
+    def __init__(self, workload: Workload, seed: int, group_size: int) -> None:
+        self.workload = workload
+        self.seed = seed
+        self.group_size = group_size
+        self._cache: dict[int, list[RequestSpec]] = {}
+
+    def __call__(self, request: RolloutRequest) -> RequestSpec:
+        gid = request.group_id
+        if not gid.startswith("p") or not gid[1:].isdigit():
+            raise ValueError(f"group_id: expected 'p<n>' (an emulated prompt), got {gid!r}")
+        n = int(gid[1:])
+        specs = self._cache.get(n)
+        if specs is None:
+            specs = self._cache[n] = self.workload.group(self.seed, n, self.group_size)
+        return specs[request.group_index]
+
+
+class PacedSimEngine(SimEngine):
+    """``SimEngine`` fit for a live fleet.
+
+    - An idle engine's clock catches up with the paced clock before it takes work (a request,
+      a weight load, an import): otherwise idle time would be credited back as instant
+      decoding, and a weight load after idling would cost nothing.
+    - Lengths come from ``spec_of`` (the simulator's draw) instead of a per-request draw.
+    - Status reports tokens per wall second: the live orchestrator measures wall time.
+    """
+
+    def __init__(
+        self,
+        engine_id: str,
+        cost: Any,
+        workload: Any,
+        seed: int,
+        time_scale: float,
+        max_seqs: int,
+        spec_of: GroupSpecs,
+        max_sleep_s: float = 0.02,
+    ) -> None:
+        super().__init__(engine_id, cost, workload, seed, time_scale, max_seqs, max_sleep_s)
+        self.spec_of = spec_of
+        self.scale = time_scale
+
+    def restart_clock(self) -> None:
+        """Virtual time 0 is now (call on idle engines, just before the run starts)."""
+        self._t0 = time.monotonic()
+        self._epoch = time.time()
+        self.core.clock = 0.0
+
+    def paced_now(self) -> float:
+        return (time.monotonic() - self._t0) * self.scale
+
+    def _catch_up(self) -> None:
+        if not self.core.has_work() and not self._exported:
+            self.core.clock = max(self.core.clock, self.paced_now())
+
+    def add_request(self, request: RolloutRequest) -> None:
+        self._catch_up()
+        super().add_request(request)
+
+    def load_weights(self, version: int, weights: Mapping[str, Any] | Path | None = None) -> None:
+        self._catch_up()
+        super().load_weights(version, weights)
+
+    def import_request(self, snapshot: bytes) -> str:
+        self._catch_up()
+        return super().import_request(snapshot)
+
+    def _build(self, request: RolloutRequest, migrations: Any = None) -> Any:
+        req = super()._build(request, migrations)
+        spec = self.spec_of(request)
+        if spec.decode_tokens > request.sampling.max_tokens:
+            raise ValueError(
+                f"sampling.max_tokens: {request.sampling.max_tokens} is below the workload's "
+                f"{spec.decode_tokens}-token response"
+            )
+        req.spec = spec
+        return req
+
+    def status(self) -> EngineStatus:
+        status = super().status()
+        return status.model_copy(update={"tokens_per_s": status.tokens_per_s * self.scale})

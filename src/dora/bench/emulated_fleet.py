@@ -1,0 +1,461 @@
+"""The emulated fleet: the real rollout stages on real NATS, with timing-model engines.
+
+Everything a live run has is here (dispatcher, generators, orchestrator + migrator or the
+baseline controller, a scorer, the learner's batching and staleness rules) except the compute:
+each engine is a ``SimEngine`` whose virtual clock runs ``time_scale`` times faster than the
+wall clock, and the learner stand-in sleeps for the step time of the simulator's trainer model.
+So H200-class throughput of a whole fleet is measured on two CPU cores, in *emulated seconds*
+(wall seconds x ``time_scale``), and can be checked against ``dora sim`` on the same setting.
+
+What is aligned with the simulator so the two can be compared:
+
+- response lengths: the n-th prompt is the simulator's group n (``Workload.group``), so both
+  see the same lengths in the same dispatch order;
+- engine limits: the simulator's tuned ``max_seqs`` caps each generator and engine;
+- learner time: ``TrainerCost(gpus=engines).step_time(prompt + completion tokens, params)``,
+  the simulator's model (6 FLOPs/param/token at 40% MFU on as many trainer GPUs as engines,
+  plus 5 s per step), slept by the learner before it publishes the next version;
+- orchestrator policy: the simulator's ``OrchestratorConfig`` with every duration divided by
+  ``time_scale`` (the live service measures wall seconds) and engines reporting tokens per
+  *wall* second;
+- latency: orchestrator / controller ticks every ``tick_s`` and status reports every
+  ``status_s`` emulated seconds (the simulator replans every 20 s, 1 s after an old-version
+  engine runs dry, and at each publish).
+
+What is not: every hop of the bus (dispatch, scoring, the learner's poll, control
+round trips, a migration's export/import) takes real wall time, i.e. ``time_scale`` times as
+much emulated time. ``loop_lag`` (how late a 10 ms timer fires on the event loop) is measured
+during the run so a result distorted by an overloaded machine shows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+import uuid
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import numpy as np
+import structlog
+
+from dora.bench.emulated_engine import GroupSpecs, PacedSimEngine
+from dora.bus import Bus, ConsumerSpec, NatsBus
+from dora.engines.sim import cost_preset, workload_preset
+from dora.events import (
+    BlobRef,
+    Prompt,
+    SamplingParams,
+    ScoredTrajectory,
+    Trajectory,
+    WeightVersion,
+)
+from dora.rollout.baseline_controller import BaselineController
+from dora.rollout.dispatcher import DispatcherConfig
+from dora.rollout.fleet import FleetConfig, RolloutFleet
+from dora.rollout.generator import GeneratorConfig, RolloutMode
+from dora.rollout.learner_standin import LearnerStandin, StandinConfig
+from dora.rollout.orchestrator import OrchestratorConfig
+from dora.rollout.orchestrator_service import OrchestratorServiceConfig
+from dora.sim import SimConfig
+from dora.subjects import Subjects
+
+log = structlog.get_logger(__name__)
+
+EMULATED_MODES: tuple[str, ...] = ("sync", "one_step_off", "partial", "dora")
+
+_SCALED_DURATIONS = (
+    "assign_cooldown_s",
+    "migration_cooldown_s",
+    "migration_s_per_request",
+    "migration_s_per_block",
+    "weight_load_s",
+    "min_saving_s",
+)
+
+
+@dataclass(frozen=True)
+class EmulatedConfig:
+    """One emulated run. Sizes default to what two CPU cores emulate in about a minute."""
+
+    mode: RolloutMode = "dora"
+    engines: int = 16
+    steps: int = 6
+    batch_groups: int = 32
+    group_size: int = 8
+    staleness: int = 1
+    seed: int = 0
+    preset: str = "dense-32b"
+    workload: str = "dapo-16k"
+    time_scale: float = 50.0
+    """Emulated seconds per wall-clock second."""
+    tick_s: float = 2.0
+    """Emulated seconds between orchestrator / controller ticks and learner polls."""
+    status_s: float = 5.0
+    """Emulated seconds between engine status reports (and idle pull polls)."""
+    prompts: int | None = None
+    """Prompts offered (None: enough that admission, not the supply, limits every mode)."""
+    max_prompts: int | None = None
+    """Stop dispatching after this many (tests: ``B * steps`` so every request finishes)."""
+    timeout_s: float = 600.0
+    """Wall-clock limit of the run."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in EMULATED_MODES:
+            raise ValueError(f"mode: unknown {self.mode!r}; known: {list(EMULATED_MODES)}")
+        for name in ("engines", "steps", "batch_groups", "group_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {self.staleness}")
+        for name in ("time_scale", "tick_s", "status_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        cost_preset(self.preset)  # clear errors naming the field
+        workload_preset(self.workload)
+
+    @property
+    def prompt_count(self) -> int:
+        return self.prompts or self.batch_groups * (self.steps + self.staleness + 2)
+
+    def wall(self, emulated_s: float) -> float:
+        """Wall-clock seconds of an emulated duration."""
+        return emulated_s / self.time_scale
+
+    def sim_config(self) -> SimConfig:
+        """The simulator run this emulation is compared with."""
+        return SimConfig(
+            engines=self.engines,
+            mode=self.mode,
+            steps=self.steps,
+            batch_groups=self.batch_groups,
+            group_size=self.group_size,
+            staleness=self.staleness,
+            seed=self.seed,
+            cost=cost_preset(self.preset),
+            workload=workload_preset(self.workload),
+        )
+
+
+def simulator_settings(cfg: EmulatedConfig) -> tuple[int, OrchestratorConfig]:
+    """The simulator's tuned ``max_seqs`` and its dora-mode policy config (virtual seconds)."""
+    from dora.sim.dora_mode import DoraDriver
+
+    driver = DoraDriver(replace(cfg.sim_config(), mode="dora"))
+    return driver.fleet.max_seqs, driver.plan_config
+
+
+def scaled_policy(policy: OrchestratorConfig, time_scale: float) -> OrchestratorConfig:
+    """``policy`` with durations in wall seconds and rates per wall second."""
+    unknown = set(_SCALED_DURATIONS) - {f.name for f in fields(policy)}
+    if unknown:
+        raise ValueError(f"OrchestratorConfig has no field(s) {sorted(unknown)}")
+    changes: dict[str, float] = {n: getattr(policy, n) / time_scale for n in _SCALED_DURATIONS}
+    changes["decode_tokens_per_s"] = policy.decode_tokens_per_s * time_scale
+    return replace(policy, **changes)
+
+
+# --------------------------------------------------------------------------- run parts
+
+
+@dataclass
+class Sample:
+    """What the scorer saw of one trajectory (times in wall seconds)."""
+
+    version: int
+    prompt_tokens: int
+    completion_tokens: int
+    dispatched_at: float
+    finished_at: float
+    migrations: int
+    reprefilled: int
+
+
+@dataclass
+class StepTiming:
+    """One learner step of the stand-in (wall seconds, ``time.time()``)."""
+
+    step: int
+    start: float
+    end: float
+    tokens: int
+    completion_tokens: int
+    request_ids: list[str]
+    versions: list[int]
+
+
+def trimmed(traj: Trajectory) -> Trajectory:
+    """``traj`` without its token arrays: what the learner stand-in needs (ids, group, version).
+
+    The stand-in trains on nothing, and parsing ~60 KB of token JSON per sample at every hop
+    would cost the two CPU cores more than everything else the fleet does (at 50x, one CPU
+    second is 50 emulated seconds); the scorer records the token counts first.
+    """
+    request = traj.request.model_copy(update={"resume": None})
+    return traj.model_copy(
+        update={
+            "request": request,
+            "prompt_token_ids": traj.prompt_token_ids[:1],
+            "completion_token_ids": (),
+            "logprobs": (),
+            "loss_mask": (),
+            "token_versions": (),
+            "turns": (),
+        }
+    )
+
+
+async def scorer(bus: Bus, samples: dict[str, Sample]) -> None:
+    """A verifier stand-in: records each trajectory, scores it (length parity), forwards it
+    without its token arrays (``trimmed``)."""
+    consumer = await bus.consumer(ConsumerSpec("scorer", bus.subjects.trajectories))
+    try:
+        while True:
+            for msg in await consumer.fetch(batch=64, timeout=0.2):
+                traj = Trajectory.model_validate_json(msg.data)
+                rid = traj.request.request_id
+                samples[rid] = Sample(
+                    version=traj.version,
+                    prompt_tokens=len(traj.prompt_token_ids),
+                    completion_tokens=len(traj.completion_token_ids),
+                    dispatched_at=traj.request.dispatched_at,
+                    finished_at=traj.timings.finished_at,
+                    migrations=len(traj.migrations),
+                    reprefilled=traj.reprefilled_tokens,
+                )
+                scored = ScoredTrajectory(
+                    event_id=f"scored-{rid}",
+                    trajectory=trimmed(traj),
+                    reward=float(len(traj.completion_token_ids) % 2),
+                )
+                await bus.publish_event(bus.subjects.scored, scored)
+                await msg.ack()
+    finally:
+        await consumer.close()
+
+
+async def publish_weights(bus: Bus, version: int) -> None:
+    """Announce ``version``: timing engines ignore weights, so the blob is a tiny inline ref."""
+    name = f"sim-weights-v{version}"
+    event = WeightVersion(
+        event_id=f"weights-v{version}",
+        version=version,
+        blob=BlobRef(store="inline", name=name, size=0),
+        checksum=hashlib.sha256(name.encode()).hexdigest(),
+        step=max(version - 1, 0),
+    )
+    await bus.publish_event(bus.subjects.weights, event)
+
+
+@dataclass
+class TimedLearner:
+    """The stand-in's ``publish_version``: sleeps the trainer model's step time, then publishes.
+
+    The stand-in selects a batch (the learner's rules), records it, then calls this; sleeping
+    here before the announcement is the step's training time.
+    """
+
+    bus: Bus
+    cfg: EmulatedConfig
+    samples: dict[str, Sample]
+    engines: list[PacedSimEngine]
+    standin: LearnerStandin | None = None
+    steps: list[StepTiming] = field(default_factory=list)
+    decode_s: float = 0.0
+    """Engines' decode time when the last step ended (virtual seconds)."""
+
+    async def publish(self, version: int) -> None:
+        assert self.standin is not None
+        record = self.standin.consumed[-1]
+        start = time.time()
+        got = [self.samples[rid] for rid in record.request_ids]
+        completion = sum(s.completion_tokens for s in got)
+        tokens = completion + sum(s.prompt_tokens for s in got)
+        sim = self.cfg.sim_config()
+        await asyncio.sleep(self.cfg.wall(sim.learner.step_time(tokens, sim.cost.params)))
+        end = time.time()
+        self.steps.append(
+            StepTiming(
+                record.step, start, end, tokens, completion, record.request_ids, record.versions
+            )
+        )
+        if version >= self.cfg.steps:
+            self.decode_s = sum(e.core.decode_s for e in self.engines)
+        await publish_weights(self.bus, version)
+
+
+async def loop_lag(out: list[float], period_s: float = 0.01) -> None:
+    """Append how late each ``period_s`` timer fires: the event loop's responsiveness."""
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(period_s)
+        out.append(max(time.perf_counter() - t - period_s, 0.0))
+
+
+@dataclass
+class EmulatedRun:
+    """Raw outcome of one emulated run (wall seconds); ``summary`` reduces it."""
+
+    cfg: EmulatedConfig
+    started_at: float
+    steps: list[StepTiming]
+    samples: dict[str, Sample]
+    decode_s: float
+    dispatched: int
+    duplicates: int
+    wall_s: float
+    failures: list[str]
+    loop_lag_s: list[float]
+
+
+async def run_emulated(
+    cfg: EmulatedConfig, nats_url: str, run_id: str | None = None
+) -> EmulatedRun:
+    """One mode on ``cfg.engines`` paced timing engines, on the nats-server at ``nats_url``."""
+    run_id = run_id or f"emu-{cfg.mode}-{uuid.uuid4().hex[:8]}"
+    bus = NatsBus(Subjects(run_id), nats_url)
+    await bus.connect()
+    try:
+        return await _run(cfg, bus)
+    finally:
+        await bus.close()
+
+
+async def _run(cfg: EmulatedConfig, bus: NatsBus) -> EmulatedRun:
+    t_wall = time.perf_counter()
+    max_seqs, policy = simulator_settings(cfg)
+    workload = workload_preset(cfg.workload)
+    specs = GroupSpecs(workload, cfg.seed, cfg.group_size)
+    engines = [
+        PacedSimEngine(f"e{i}", cfg.preset, workload, cfg.seed, cfg.time_scale, max_seqs, specs)
+        for i in range(cfg.engines)
+    ]
+    for engine in engines:
+        engine.core.version = 0  # the simulator starts with v0 loaded everywhere, too
+    await publish_weights(bus, 0)
+    for i in range(cfg.prompt_count):
+        prompt = Prompt(event_id=f"prompt-{i}", prompt_id=f"p{i}", text=f"problem {i}")
+        await bus.publish_event(bus.subjects.prompts, prompt)
+
+    tick = max(cfg.wall(cfg.tick_s), 0.005)
+    status = max(cfg.wall(cfg.status_s), 0.005)
+    config = FleetConfig(
+        mode=cfg.mode,
+        dispatcher=DispatcherConfig(
+            group_size=cfg.group_size,
+            batch_groups=cfg.batch_groups,
+            staleness_bound=cfg.staleness,
+            seed=cfg.seed,
+            sampling=SamplingParams(temperature=1.0, max_tokens=workload.max_tokens),
+        ),
+        generator=GeneratorConfig(
+            engine_id="_",
+            max_running=max_seqs,
+            fetch_timeout_s=status,
+            status_interval_s=status,
+        ),
+        orchestrator=OrchestratorServiceConfig(
+            tick_s=tick, policy=scaled_policy(policy, cfg.time_scale)
+        ),
+        max_prompts=cfg.max_prompts,
+    )
+
+    async def weights(version: int) -> dict[str, Any]:
+        return {}
+
+    samples: dict[str, Sample] = {}
+    learner = TimedLearner(bus, cfg, samples, engines)
+    standin = LearnerStandin(
+        bus,
+        StandinConfig(cfg.batch_groups, cfg.staleness, cfg.steps, ledger_poll_s=tick),
+        learner.publish,
+    )
+    learner.standin = standin
+    score = asyncio.create_task(scorer(bus, samples))
+    fleet = RolloutFleet(bus, engines, weights, config)
+    if isinstance(fleet.controller, BaselineController):
+        fleet.controller.tick_s = tick
+    for engine in engines:
+        engine.restart_clock()
+    started = time.time()
+    failures: list[str] = []
+    lags: list[float] = []
+    monitor = asyncio.create_task(loop_lag(lags))
+    try:
+        async with fleet:
+            await asyncio.wait_for(standin.run(), timeout=cfg.timeout_s)
+            failures = [repr(e) for e in fleet.failures()]
+            dispatched = fleet.dispatch.stats.requests
+            if cfg.max_prompts is not None:  # every request must finish: wait for the last
+                deadline = time.monotonic() + cfg.timeout_s
+                while len(samples) < dispatched and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+    finally:
+        for task in (score, monitor):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return EmulatedRun(
+        cfg=cfg,
+        started_at=started,
+        steps=learner.steps,
+        samples=dict(samples),
+        decode_s=learner.decode_s,
+        dispatched=dispatched,
+        duplicates=standin.duplicates,
+        wall_s=time.perf_counter() - t_wall,
+        failures=failures,
+        loop_lag_s=lags,
+    )
+
+
+def summarize(run: EmulatedRun) -> dict[str, Any]:
+    """The simulator's metrics (``SimResult``) from an emulated run, in emulated seconds.
+
+    Time 0 is the first dispatch (as in the simulator); the run ends when the last step's
+    training ends. Tokens are the completion tokens of the consumed samples.
+    """
+    cfg, scale = run.cfg, run.cfg.time_scale
+    if not run.steps:
+        raise RuntimeError(f"{cfg.mode}: the learner took no step")
+    t0 = min(s.dispatched_at for s in run.samples.values())
+    end = run.steps[-1].end
+    span = (end - t0) * scale
+    tokens = sum(st.completion_tokens for st in run.steps)
+    rollout, waits, trains = [], [], []
+    prev = t0
+    for st in run.steps:
+        got = [run.samples[r] for r in st.request_ids]
+        rollout.append(
+            (max(s.finished_at for s in got) - min(s.dispatched_at for s in got)) * scale
+        )
+        waits.append(max(st.start - prev, 0.0) * scale)
+        trains.append((st.end - st.start) * scale)
+        prev = st.end
+    stale = [st.step - v for st in run.steps for v in st.versions]
+    samples = run.samples.values()
+    lags = run.loop_lag_s
+    return {
+        "mode": cfg.mode,
+        "engines": cfg.engines,
+        "steps": len(run.steps),
+        "emulated_s": span,
+        "tokens_per_s": tokens / span if span > 0 else 0.0,
+        "step_s": span / len(run.steps),
+        "rollout_s": float(np.mean(rollout)),
+        "wait_s": float(np.mean(waits)),
+        "train_s": float(np.mean(trains)),
+        "utilization": run.decode_s / (cfg.engines * span) if span > 0 else 0.0,
+        "migrations": sum(s.migrations for s in samples),
+        "reprefilled_tokens": sum(s.reprefilled for s in samples),
+        "staleness_mean": float(np.mean(stale)) if stale else 0.0,
+        "staleness_max": max(stale) if stale else 0,
+        "dispatched": run.dispatched,
+        "trajectories": len(run.samples),
+        "consumed_tokens": tokens,
+        "wall_s": run.wall_s,
+        "loop_lag_mean_ms": 1000 * float(np.mean(lags)) if lags else 0.0,
+        "loop_lag_p99_ms": 1000 * float(np.percentile(lags, 99)) if lags else 0.0,
+    }
