@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,13 +36,14 @@ from dora.events import (
     Trajectory,
     WeightVersion,
 )
+from dora.rollout.actions import AssignEngine
 from dora.rollout.dispatcher import DispatcherConfig
 from dora.rollout.fleet import FleetConfig, RolloutFleet
 from dora.rollout.generator import Generator, GeneratorConfig, request_queue_spec
 from dora.rollout.learner_standin import LearnerStandin, StandinConfig
 from dora.rollout.migrator import Migrator
 from dora.rollout.orchestrator import OrchestratorConfig
-from dora.rollout.orchestrator_service import OrchestratorServiceConfig
+from dora.rollout.orchestrator_service import OrchestratorService, OrchestratorServiceConfig
 from dora.subjects import Subjects
 from tests.fakes import FakeEngine
 
@@ -154,13 +155,19 @@ class FleetRun:
 
 @contextlib.asynccontextmanager
 async def fleet_run(
-    server: NatsServer, subjects: Subjects, engines: int = 3
+    server: NatsServer,
+    subjects: Subjects,
+    engines: int = 3,
+    gate: Callable[[int], Awaitable[None]] | None = None,
 ) -> AsyncIterator[FleetRun]:
+    """``gate(version)`` runs before the learner publishes a version (to hold the run)."""
     bus = await connect(server, subjects)
     s = bus.subjects
     audit = await bus.consumer(ConsumerSpec("audit", s.trajectories))
 
     async def publish_version(version: int) -> None:
+        if gate is not None:
+            await gate(version)
         event = WeightVersion(
             event_id=f"weights-{version}",
             version=version,
@@ -437,3 +444,49 @@ async def test_migrator_dies_after_export(
         traj = await one_trajectory(nats_bus, audit)
     assert src.gen.stats.restored == 1
     assert traj.engines == ("src",) and traj.completion_token_ids == tokens(1, 24)
+
+
+# --------------------------------------------------------------------------- 3. orchestrator
+
+
+def assigns(service: OrchestratorService) -> list[int]:
+    return [a.version for _, a in service.actions if isinstance(a, AssignEngine)]
+
+
+async def test_orchestrator_restarted_mid_run(nats_server: NatsServer, subjects: Subjects) -> None:
+    """A fresh orchestrator (new instance, same bus) rebuilds its view and finishes the run."""
+    restarted = asyncio.Event()
+
+    async def gate(version: int) -> None:
+        if version >= 2:  # the learner waits (for the restart) before it publishes v2
+            await restarted.wait()
+
+    async with fleet_run(nats_server, subjects, gate=gate) as run:
+        fleet = run.fleet
+        async with fleet:
+            learning = asyncio.create_task(run.learner.run())
+            old = fleet.controller
+            assert isinstance(old, OrchestratorService)
+            await until(
+                lambda: run.learner.step >= 2 and any(assigns(old)),
+                what="two learner steps and a first assignment",
+            )
+            old.stop()
+            old_task = run.task("controller")
+            await asyncio.wait_for(old_task, timeout=15)
+            before = max(assigns(old))
+
+            fresh = OrchestratorService(run.bus, old.config)
+            fleet.controller = fresh  # the fleet stops the fresh one at the end
+            fleet._tasks[fleet._tasks.index(old_task)] = asyncio.create_task(
+                fresh.run(), name="controller"
+            )
+            restarted.set()
+            await asyncio.wait_for(learning, timeout=40)
+            assert fleet.failures() == []
+        trajectories = await drain_trajectories(run.audit)
+    run.check_invariants(trajectories)
+    assert sorted(fresh.status) == ["e0", "e1", "e2"]  # rebuilt from status events
+    after = assigns(fresh)
+    # versions 2 and 3 exist only after the restart: only the fresh one can have assigned them
+    assert before == 1 and max(after, default=0) >= 2
