@@ -35,13 +35,14 @@ import contextlib
 import hashlib
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
 import structlog
 
-from dora.bench.emulated_engine import GroupSpecs, PacedSimEngine
+from dora.bench.emulated_workers import EngineProcesses, EngineReport, serve_engines
 from dora.bus import Bus, ConsumerSpec, NatsBus
 from dora.engines.sim import cost_preset, workload_preset
 from dora.events import (
@@ -53,12 +54,12 @@ from dora.events import (
     WeightVersion,
 )
 from dora.rollout.baseline_controller import BaselineController
-from dora.rollout.dispatcher import DispatcherConfig
-from dora.rollout.fleet import FleetConfig, RolloutFleet
-from dora.rollout.generator import GeneratorConfig, RolloutMode
+from dora.rollout.dispatch_service import DispatchService
+from dora.rollout.dispatcher import Dispatcher, DispatcherConfig
+from dora.rollout.generator import RolloutMode
 from dora.rollout.learner_standin import LearnerStandin, StandinConfig
 from dora.rollout.orchestrator import OrchestratorConfig
-from dora.rollout.orchestrator_service import OrchestratorServiceConfig
+from dora.rollout.orchestrator_service import OrchestratorService, OrchestratorServiceConfig
 from dora.sim import SimConfig
 from dora.subjects import Subjects
 
@@ -101,6 +102,8 @@ class EmulatedConfig:
     """Stop dispatching after this many (tests: ``B * steps`` so every request finishes)."""
     timeout_s: float = 600.0
     """Wall-clock limit of the run."""
+    processes: int = 2
+    """OS processes the generators are spread over (0: all on the caller's event loop)."""
 
     def __post_init__(self) -> None:
         if self.mode not in EMULATED_MODES:
@@ -260,11 +263,8 @@ class TimedLearner:
     bus: Bus
     cfg: EmulatedConfig
     samples: dict[str, Sample]
-    engines: list[PacedSimEngine]
     standin: LearnerStandin | None = None
     steps: list[StepTiming] = field(default_factory=list)
-    decode_s: float = 0.0
-    """Engines' decode time when the last step ended (virtual seconds)."""
 
     async def publish(self, version: int) -> None:
         assert self.standin is not None
@@ -281,8 +281,6 @@ class TimedLearner:
                 record.step, start, end, tokens, completion, record.request_ids, record.versions
             )
         )
-        if version >= self.cfg.steps:
-            self.decode_s = sum(e.core.decode_s for e in self.engines)
         await publish_weights(self.bus, version)
 
 
@@ -299,7 +297,6 @@ class EmulatedRun:
     """Raw outcome of one emulated run (wall seconds); ``summary`` reduces it."""
 
     cfg: EmulatedConfig
-    started_at: float
     steps: list[StepTiming]
     samples: dict[str, Sample]
     decode_s: float
@@ -308,6 +305,8 @@ class EmulatedRun:
     wall_s: float
     failures: list[str]
     loop_lag_s: list[float]
+    engines: list[EngineReport]
+    refusals: dict[str, int]
 
 
 async def run_emulated(
@@ -327,88 +326,120 @@ async def _run(cfg: EmulatedConfig, bus: NatsBus) -> EmulatedRun:
     t_wall = time.perf_counter()
     max_seqs, policy = simulator_settings(cfg)
     workload = workload_preset(cfg.workload)
-    specs = GroupSpecs(workload, cfg.seed, cfg.group_size)
-    engines = [
-        PacedSimEngine(f"e{i}", cfg.preset, workload, cfg.seed, cfg.time_scale, max_seqs, specs)
-        for i in range(cfg.engines)
-    ]
-    for engine in engines:
-        engine.core.version = 0  # the simulator starts with v0 loaded everywhere, too
     await publish_weights(bus, 0)
     for i in range(cfg.prompt_count):
         prompt = Prompt(event_id=f"prompt-{i}", prompt_id=f"p{i}", text=f"problem {i}")
         await bus.publish_event(bus.subjects.prompts, prompt)
 
     tick = max(cfg.wall(cfg.tick_s), 0.005)
-    status = max(cfg.wall(cfg.status_s), 0.005)
-    config = FleetConfig(
-        mode=cfg.mode,
-        dispatcher=DispatcherConfig(
+    dispatcher = Dispatcher(
+        DispatcherConfig(
             group_size=cfg.group_size,
             batch_groups=cfg.batch_groups,
             staleness_bound=cfg.staleness,
+            mode=cfg.mode,
             seed=cfg.seed,
             sampling=SamplingParams(temperature=1.0, max_tokens=workload.max_tokens),
-        ),
-        generator=GeneratorConfig(
-            engine_id="_",
-            max_running=max_seqs,
-            fetch_timeout_s=status,
-            status_interval_s=status,
-        ),
-        orchestrator=OrchestratorServiceConfig(
-            tick_s=tick, policy=scaled_policy(policy, cfg.time_scale)
-        ),
-        max_prompts=cfg.max_prompts,
+        )
     )
-
-    async def weights(version: int) -> dict[str, Any]:
-        return {}
-
+    dispatch = DispatchService(bus, dispatcher, max_prompts=cfg.max_prompts)
+    controller: OrchestratorService | BaselineController
+    if cfg.mode == "dora":
+        service = OrchestratorServiceConfig(
+            tick_s=tick, policy=scaled_policy(policy, cfg.time_scale)
+        )
+        controller = OrchestratorService(bus, service)
+    else:
+        controller = BaselineController(bus, cfg.mode, tick_s=tick)  # type: ignore[arg-type]
     samples: dict[str, Sample] = {}
-    learner = TimedLearner(bus, cfg, samples, engines)
+    learner = TimedLearner(bus, cfg, samples)
     standin = LearnerStandin(
         bus,
         StandinConfig(cfg.batch_groups, cfg.staleness, cfg.steps, ledger_poll_s=tick),
         learner.publish,
     )
     learner.standin = standin
-    score = asyncio.create_task(scorer(bus, samples))
-    fleet = RolloutFleet(bus, engines, weights, config)
-    if isinstance(fleet.controller, BaselineController):
-        fleet.controller.tick_s = tick
-    for engine in engines:
-        engine.restart_clock()
-    started = time.time()
-    failures: list[str] = []
     lags: list[float] = []
-    monitor = asyncio.create_task(loop_lag(lags))
+    reports: list[EngineReport] = []
+    failures: list[str] = []
+    background = [
+        asyncio.create_task(scorer(bus, samples), name="scorer"),
+        asyncio.create_task(loop_lag(lags), name="loop_lag"),
+    ]
     try:
-        async with fleet:
-            await asyncio.wait_for(standin.run(), timeout=cfg.timeout_s)
-            failures = [repr(e) for e in fleet.failures()]
-            dispatched = fleet.dispatch.stats.requests
-            if cfg.max_prompts is not None:  # every request must finish: wait for the last
-                deadline = time.monotonic() + cfg.timeout_s
-                while len(samples) < dispatched and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)
+        async with _engines(cfg, max_seqs, bus, reports, failures):
+            services = [
+                asyncio.create_task(dispatch.run(), name="dispatcher"),
+                asyncio.create_task(controller.run(), name="controller"),
+            ]
+            try:
+                await asyncio.wait_for(standin.run(), timeout=cfg.timeout_s)
+                if cfg.max_prompts is not None:  # every request must finish: wait for them
+                    deadline = time.monotonic() + cfg.timeout_s
+                    while len(samples) < dispatch.stats.requests:
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(
+                                f"{len(samples)} of {dispatch.stats.requests} trajectories"
+                            )
+                        await asyncio.sleep(0.05)
+            finally:
+                controller.stop()
+                dispatch.stop()
+                done = await asyncio.gather(*services, return_exceptions=True)
+                failures += [repr(r) for r in done if isinstance(r, BaseException)]
     finally:
-        for task in (score, monitor):
+        for task in background:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+    failures += [f for r in reports for f in r.failures]
     return EmulatedRun(
         cfg=cfg,
-        started_at=started,
         steps=learner.steps,
         samples=dict(samples),
-        decode_s=learner.decode_s,
-        dispatched=dispatched,
+        decode_s=sum(r.decode_s for r in reports),
+        dispatched=dispatch.stats.requests,
         duplicates=standin.duplicates,
         wall_s=time.perf_counter() - t_wall,
         failures=failures,
         loop_lag_s=lags,
+        engines=reports,
+        refusals=dict(dispatch.stats.refusals),
     )
+
+
+@contextlib.asynccontextmanager
+async def _engines(
+    cfg: EmulatedConfig,
+    max_seqs: int,
+    bus: NatsBus,
+    reports: list[EngineReport],
+    failures: list[str],
+) -> AsyncIterator[None]:
+    """The generators, in ``cfg.processes`` processes (0: on this event loop)."""
+    if cfg.processes > 0:
+        procs = EngineProcesses(cfg, max_seqs, bus.url, bus.subjects.run, cfg.processes)
+        try:
+            async with procs:
+                yield
+        finally:
+            reports.extend(procs.reports)
+            failures.extend(procs.errors)
+        return
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    ids = [f"e{i}" for i in range(cfg.engines)]
+    task = asyncio.create_task(serve_engines(cfg, max_seqs, ids, bus, stop.wait, ready.set))
+    waiter = asyncio.create_task(ready.wait())
+    await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        waiter.cancel()
+        task.result()  # raises what stopped the engines
+    try:
+        yield
+    finally:
+        stop.set()
+        reports.append(await task)
 
 
 def summarize(run: EmulatedRun) -> dict[str, Any]:

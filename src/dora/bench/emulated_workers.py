@@ -1,0 +1,226 @@
+"""The engine side of the emulated fleet: generators over paced timing engines.
+
+``serve_engines`` runs a slice of the fleet's generators on one event loop until told to stop;
+``engine_process`` is the same in a separate OS process (its own NATS client, its own loop),
+as separate generator processes would be in production. Splitting the fleet over processes
+matters here for a practical reason: every CPU second the emulation spends is ``time_scale``
+emulated seconds, and one Python process on a loaded two-core machine gets less than one core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from dora.bench.emulated_engine import GroupSpecs, PacedSimEngine
+from dora.bus import Bus, NatsBus
+from dora.engines.sim import workload_preset
+from dora.events import WeightVersion
+from dora.rollout.generator import Generator, GeneratorConfig
+from dora.subjects import Subjects
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class EngineReport:
+    """What a slice of engines did (virtual seconds of decode, generator counters)."""
+
+    decode_s: float = 0.0
+    """Decode time of the slice when the learner published its last version."""
+    decode_s_at_stop: float = 0.0
+    pulled: int = 0
+    finished: int = 0
+    exported: int = 0
+    imported: int = 0
+    resubmitted: int = 0
+    dead_lettered: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+async def _weights(version: int) -> dict[str, Any]:
+    return {}  # timing engines ignore weights
+
+
+async def _watch_final(
+    bus: Bus, last: int, engines: list[PacedSimEngine], out: list[float]
+) -> None:
+    """Snapshot the slice's decode time when version ``last`` (the run's end) is announced."""
+    sub = await bus.subscribe(bus.subjects.weights)
+    try:
+        async for msg in sub:
+            with contextlib.suppress(ValueError):
+                if WeightVersion.model_validate_json(msg.data).version >= last:
+                    out.append(sum(e.core.decode_s for e in engines))
+                    return
+    finally:
+        await sub.unsubscribe()
+
+
+async def serve_engines(
+    cfg: Any,
+    max_seqs: int,
+    engine_ids: list[str],
+    bus: Bus,
+    stop: Callable[[], Awaitable[None]],
+    on_ready: Callable[[], None] = lambda: None,
+) -> EngineReport:
+    """Run generators for ``engine_ids`` (``cfg``: an ``EmulatedConfig``) until ``stop()``."""
+    workload = workload_preset(cfg.workload)
+    specs = GroupSpecs(workload, cfg.seed, cfg.group_size)
+    engines = [
+        PacedSimEngine(e, cfg.preset, workload, cfg.seed, cfg.time_scale, max_seqs, specs)
+        for e in engine_ids
+    ]
+    status = max(cfg.wall(cfg.status_s), 0.005)
+    generators = []
+    for engine in engines:
+        engine.core.version = 0  # the simulator starts with v0 loaded everywhere, too
+        engine.restart_clock()
+        config = GeneratorConfig(
+            engine_id=engine.engine_id,
+            mode=cfg.mode,
+            max_running=max_seqs,
+            fetch_timeout_s=status,
+            status_interval_s=status,
+            initial_version=0,
+        )
+        generators.append(Generator(engine, bus, _weights, config))
+    tasks = [asyncio.create_task(g.run(), name=g.config.engine_id) for g in generators]
+    final: list[float] = []
+    watch = asyncio.create_task(_watch_final(bus, cfg.steps, engines, final))
+    report = EngineReport()
+    try:
+        await asyncio.gather(*(g.ready.wait() for g in generators))
+        on_ready()
+        await stop()
+    finally:
+        for g in generators:
+            g.stop()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+    report.failures = [repr(r) for r in results if isinstance(r, BaseException)]
+    report.decode_s_at_stop = sum(e.core.decode_s for e in engines)
+    report.decode_s = final[0] if final else report.decode_s_at_stop
+    for g in generators:
+        s = g.stats
+        report.pulled += s.pulled
+        report.finished += s.finished
+        report.exported += s.exported
+        report.imported += s.imported
+        report.resubmitted += s.resubmitted
+        report.dead_lettered += s.dead_lettered
+    return report
+
+
+def engine_process(
+    cfg: Any,
+    max_seqs: int,
+    engine_ids: list[str],
+    url: str,
+    run_id: str,
+    stop_event: Any,
+    results: Any,
+    index: int,
+) -> None:
+    """Process entry: ``serve_engines`` on its own NATS client until ``stop_event`` is set.
+
+    Puts ``("ready", index)`` once every generator answers control commands, then
+    ``("done", index, EngineReport)`` (or ``("error", index, text)``) at the end.
+    """
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+
+    async def stop() -> None:
+        while not stop_event.is_set():
+            await asyncio.sleep(0.05)
+
+    async def main() -> EngineReport:
+        bus = NatsBus(Subjects(run_id), url)
+        await bus.connect()
+        try:
+            return await serve_engines(
+                cfg, max_seqs, engine_ids, bus, stop, lambda: results.put(("ready", index))
+            )
+        finally:
+            await bus.close()
+
+    try:
+        results.put(("done", index, asyncio.run(main())))
+    except BaseException as exc:  # report, never hang the parent
+        results.put(("error", index, repr(exc)))
+
+
+def split(items: list[str], parts: int) -> list[list[str]]:
+    """``items`` in ``parts`` contiguous, near-equal slices (no empty slice)."""
+    parts = max(1, min(parts, len(items)))
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+class EngineProcesses:
+    """Engine slices in ``n`` spawned processes; ``async with`` starts them and waits ready."""
+
+    def __init__(self, cfg: Any, max_seqs: int, url: str, run_id: str, n: int) -> None:
+        ids = [f"e{i}" for i in range(cfg.engines)]
+        self.slices = split(ids, n)
+        ctx = mp.get_context("spawn")
+        self.stop_event = ctx.Event()
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(
+                target=engine_process,
+                args=(cfg, max_seqs, s, url, run_id, self.stop_event, self.results, i),
+                name=f"dora-emulated-engines-{i}",
+                daemon=True,
+            )
+            for i, s in enumerate(self.slices)
+        ]
+        self.reports: list[EngineReport] = []
+        self.errors: list[str] = []
+
+    async def _next(self, timeout: float) -> tuple[Any, ...]:
+        return await asyncio.to_thread(self.results.get, True, timeout)
+
+    async def __aenter__(self) -> EngineProcesses:
+        for p in self.procs:
+            p.start()
+        ready = 0
+        deadline = time.monotonic() + 120
+        while ready < len(self.procs):
+            msg = await self._next(max(deadline - time.monotonic(), 0.1))
+            if msg[0] == "ready":
+                ready += 1
+            else:
+                raise RuntimeError(f"engine process {msg[1]} failed to start: {msg[2:]}")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop_event.set()
+        try:
+            for _ in self.procs:
+                msg = await self._next(60)
+                if msg[0] == "done":
+                    self.reports.append(msg[2])
+                else:
+                    self.errors.append(f"engine process {msg[1]}: {msg[2]}")
+        finally:
+            for p in self.procs:
+                await asyncio.to_thread(p.join, 10)
+                if p.is_alive():
+                    p.terminate()
+                    await asyncio.to_thread(p.join, 5)
