@@ -47,7 +47,7 @@ class WarmstartConfig(BaseModel):
     model_overrides: dict[str, Any] = Field(default_factory=dict)
     task: str = "arithmetic"
     task_config: dict[str, Any] = Field(default_factory=dict)
-    steps: int = Field(default=220, ge=0)
+    steps: int = Field(default=150, ge=0)
     batch_tokens: int = Field(default=2048, ge=64, description="Tokens per optimizer step.")
     row_tokens: int = Field(default=512, ge=32, description="Length of a packed row.")
     lr: float = Field(default=3e-3, gt=0.0)
