@@ -39,20 +39,8 @@ def _request(rid: str, prompt: list[int], max_tokens: int, resume: Any = None) -
 
 
 async def get_blob_linear(bus: Any, name: str) -> bytes:
-    """``bus.get_blob`` without nats-py's quadratic ``data += chunk`` for big objects.
-
-    nats-py's ``ObjectStore.get`` concatenates 128 KiB chunks into one growing bytes object
-    (O(n^2): ~2 minutes for 100 MB here); streaming into a buffer (``writeinto``) is linear.
-    Falls back to ``get_blob`` for a bus without an object store handle.
-    """
-    import io
-
-    store_of = getattr(bus, "_object_store", None)
-    if store_of is None:
-        return bytes(await bus.get_blob(name))
-    buf = io.BytesIO()
-    await (await store_of()).get(name, writeinto=buf)
-    return buf.getvalue()
+    """The blob's bytes (``NatsBus.get_blob`` streams chunks into a buffer: linear time)."""
+    return bytes(await bus.get_blob(name))
 
 
 async def measure(preset: str, contexts: list[int], bus: Any) -> list[dict[str, Any]]:

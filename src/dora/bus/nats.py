@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import io
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import nats
@@ -406,11 +407,12 @@ class NatsBus(Bus):
 
     async def get_blob(self, name: str) -> bytes:
         store = await self._object_store()
+        buffer = io.BytesIO()  # nats-py's default `data += chunk` is quadratic in the size
         try:
-            result = await store.get(name)
+            await store.get(name, writeinto=buffer)
         except nats.js.errors.ObjectNotFoundError as exc:
             raise BlobNotFound(name) from exc
-        return result.data or b""
+        return buffer.getvalue()
 
     async def delete_blob(self, name: str) -> None:
         store = await self._object_store()
