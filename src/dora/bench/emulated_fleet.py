@@ -42,20 +42,22 @@ from typing import Any
 import numpy as np
 import structlog
 
-from dora.bench.emulated_workers import EngineProcesses, EngineReport, serve_engines
+from dora.bench.emulated_workers import (
+    EngineReport,
+    FrontReport,
+    WorkerProcesses,
+    serve_engines,
+    serve_front,
+)
 from dora.bus import Bus, ConsumerSpec, NatsBus
 from dora.engines.sim import cost_preset, workload_preset
 from dora.events import (
     BlobRef,
     Prompt,
-    SamplingParams,
     ScoredTrajectory,
-    Trajectory,
     WeightVersion,
 )
 from dora.rollout.baseline_controller import BaselineController
-from dora.rollout.dispatch_service import DispatchService
-from dora.rollout.dispatcher import Dispatcher, DispatcherConfig
 from dora.rollout.generator import RolloutMode
 from dora.rollout.learner_standin import LearnerStandin, StandinConfig
 from dora.rollout.orchestrator import OrchestratorConfig
@@ -175,6 +177,19 @@ class Sample:
     migrations: int
     reprefilled: int
 
+    @classmethod
+    def of(cls, scored: ScoredTrajectory) -> Sample:
+        traj, details = scored.trajectory, scored.details
+        return cls(
+            version=traj.version,
+            prompt_tokens=int(details["prompt_tokens"]),
+            completion_tokens=int(details["completion_tokens"]),
+            dispatched_at=traj.request.dispatched_at,
+            finished_at=traj.timings.finished_at,
+            migrations=len(traj.migrations),
+            reprefilled=traj.reprefilled_tokens,
+        )
+
 
 @dataclass
 class StepTiming:
@@ -189,51 +204,14 @@ class StepTiming:
     versions: list[int]
 
 
-def trimmed(traj: Trajectory) -> Trajectory:
-    """``traj`` without its token arrays: what the learner stand-in needs (ids, group, version).
-
-    The stand-in trains on nothing, and parsing ~60 KB of token JSON per sample at every hop
-    would cost the two CPU cores more than everything else the fleet does (at 50x, one CPU
-    second is 50 emulated seconds); the scorer records the token counts first.
-    """
-    request = traj.request.model_copy(update={"resume": None})
-    return traj.model_copy(
-        update={
-            "request": request,
-            "prompt_token_ids": traj.prompt_token_ids[:1],
-            "completion_token_ids": (),
-            "logprobs": (),
-            "loss_mask": (),
-            "token_versions": (),
-            "turns": (),
-        }
-    )
-
-
-async def scorer(bus: Bus, samples: dict[str, Sample]) -> None:
-    """A verifier stand-in: records each trajectory, scores it (length parity), forwards it
-    without its token arrays (``trimmed``)."""
-    consumer = await bus.consumer(ConsumerSpec("scorer", bus.subjects.trajectories))
+async def collect(bus: Bus, samples: dict[str, Sample]) -> None:
+    """Record every scored sample (the scorer put its token counts in ``details``)."""
+    consumer = await bus.consumer(ConsumerSpec("emulation", bus.subjects.scored))
     try:
         while True:
-            for msg in await consumer.fetch(batch=64, timeout=0.2):
-                traj = Trajectory.model_validate_json(msg.data)
-                rid = traj.request.request_id
-                samples[rid] = Sample(
-                    version=traj.version,
-                    prompt_tokens=len(traj.prompt_token_ids),
-                    completion_tokens=len(traj.completion_token_ids),
-                    dispatched_at=traj.request.dispatched_at,
-                    finished_at=traj.timings.finished_at,
-                    migrations=len(traj.migrations),
-                    reprefilled=traj.reprefilled_tokens,
-                )
-                scored = ScoredTrajectory(
-                    event_id=f"scored-{rid}",
-                    trajectory=trimmed(traj),
-                    reward=float(len(traj.completion_token_ids) % 2),
-                )
-                await bus.publish_event(bus.subjects.scored, scored)
+            for msg in await consumer.fetch(batch=256, timeout=0.2):
+                scored = ScoredTrajectory.model_validate_json(msg.data)
+                samples[scored.trajectory.request.request_id] = Sample.of(scored)
                 await msg.ack()
     finally:
         await consumer.close()
@@ -325,24 +303,12 @@ async def run_emulated(
 async def _run(cfg: EmulatedConfig, bus: NatsBus) -> EmulatedRun:
     t_wall = time.perf_counter()
     max_seqs, policy = simulator_settings(cfg)
-    workload = workload_preset(cfg.workload)
     await publish_weights(bus, 0)
     for i in range(cfg.prompt_count):
         prompt = Prompt(event_id=f"prompt-{i}", prompt_id=f"p{i}", text=f"problem {i}")
         await bus.publish_event(bus.subjects.prompts, prompt)
 
     tick = max(cfg.wall(cfg.tick_s), 0.005)
-    dispatcher = Dispatcher(
-        DispatcherConfig(
-            group_size=cfg.group_size,
-            batch_groups=cfg.batch_groups,
-            staleness_bound=cfg.staleness,
-            mode=cfg.mode,
-            seed=cfg.seed,
-            sampling=SamplingParams(temperature=1.0, max_tokens=workload.max_tokens),
-        )
-    )
-    dispatch = DispatchService(bus, dispatcher, max_prompts=cfg.max_prompts)
     controller: OrchestratorService | BaselineController
     if cfg.mode == "dora":
         service = OrchestratorServiceConfig(
@@ -360,86 +326,85 @@ async def _run(cfg: EmulatedConfig, bus: NatsBus) -> EmulatedRun:
     )
     learner.standin = standin
     lags: list[float] = []
-    reports: list[EngineReport] = []
-    failures: list[str] = []
+    workers = _Workers()
     background = [
-        asyncio.create_task(scorer(bus, samples), name="scorer"),
+        asyncio.create_task(collect(bus, samples), name="collect"),
         asyncio.create_task(loop_lag(lags), name="loop_lag"),
     ]
     try:
-        async with _engines(cfg, max_seqs, bus, reports, failures):
-            services = [
-                asyncio.create_task(dispatch.run(), name="dispatcher"),
-                asyncio.create_task(controller.run(), name="controller"),
-            ]
+        async with workers.run(cfg, max_seqs, bus):
+            control = asyncio.create_task(controller.run(), name="controller")
             try:
                 await asyncio.wait_for(standin.run(), timeout=cfg.timeout_s)
-                if cfg.max_prompts is not None:  # every request must finish: wait for them
+                if cfg.max_prompts is not None:  # every request must come back: wait for them
+                    expected = cfg.max_prompts * cfg.group_size
                     deadline = time.monotonic() + cfg.timeout_s
-                    while len(samples) < dispatch.stats.requests:
+                    while len(samples) < expected:
                         if time.monotonic() > deadline:
-                            raise TimeoutError(
-                                f"{len(samples)} of {dispatch.stats.requests} trajectories"
-                            )
+                            raise TimeoutError(f"{len(samples)} of {expected} trajectories")
                         await asyncio.sleep(0.05)
             finally:
                 controller.stop()
-                dispatch.stop()
-                done = await asyncio.gather(*services, return_exceptions=True)
-                failures += [repr(r) for r in done if isinstance(r, BaseException)]
+                done = await asyncio.gather(control, return_exceptions=True)
+                workers.failures += [repr(r) for r in done if isinstance(r, BaseException)]
     finally:
         for task in background:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-    failures += [f for r in reports for f in r.failures]
+    front = workers.front or FrontReport()
+    failures = workers.failures + front.failures
     return EmulatedRun(
         cfg=cfg,
         steps=learner.steps,
         samples=dict(samples),
-        decode_s=sum(r.decode_s for r in reports),
-        dispatched=dispatch.stats.requests,
+        decode_s=sum(r.decode_s for r in workers.engines),
+        dispatched=front.requests,
         duplicates=standin.duplicates,
         wall_s=time.perf_counter() - t_wall,
-        failures=failures,
+        failures=failures + [f for r in workers.engines for f in r.failures],
         loop_lag_s=lags,
-        engines=reports,
-        refusals=dict(dispatch.stats.refusals),
+        engines=workers.engines,
+        refusals=front.refusals,
     )
 
 
-@contextlib.asynccontextmanager
-async def _engines(
-    cfg: EmulatedConfig,
-    max_seqs: int,
-    bus: NatsBus,
-    reports: list[EngineReport],
-    failures: list[str],
-) -> AsyncIterator[None]:
-    """The generators, in ``cfg.processes`` processes (0: on this event loop)."""
-    if cfg.processes > 0:
-        procs = EngineProcesses(cfg, max_seqs, bus.url, bus.subjects.run, cfg.processes)
+@dataclass
+class _Workers:
+    """The front and the engines, in ``cfg.processes`` + 1 processes (0: on this loop)."""
+
+    engines: list[EngineReport] = field(default_factory=list)
+    front: FrontReport | None = None
+    failures: list[str] = field(default_factory=list)
+
+    @contextlib.asynccontextmanager
+    async def run(self, cfg: EmulatedConfig, max_seqs: int, bus: NatsBus) -> AsyncIterator[None]:
+        if cfg.processes > 0:
+            procs = WorkerProcesses(cfg, max_seqs, bus.url, bus.subjects.run, cfg.processes)
+            try:
+                async with procs:
+                    yield
+            finally:
+                self.engines.extend(procs.reports)
+                self.front = procs.front
+                self.failures.extend(procs.errors)
+            return
+        stop = asyncio.Event()
+        ids = [f"e{i}" for i in range(cfg.engines)]
+        ready = asyncio.Event()
+        engines = asyncio.create_task(serve_engines(cfg, max_seqs, ids, bus, stop.wait, ready.set))
+        waiter = asyncio.create_task(ready.wait())
+        await asyncio.wait([engines, waiter], return_when=asyncio.FIRST_COMPLETED)
+        if engines.done():
+            waiter.cancel()
+            engines.result()  # raises what stopped the engines
+        front = asyncio.create_task(serve_front(cfg, bus, stop.wait))
         try:
-            async with procs:
-                yield
+            yield
         finally:
-            reports.extend(procs.reports)
-            failures.extend(procs.errors)
-        return
-    stop = asyncio.Event()
-    ready = asyncio.Event()
-    ids = [f"e{i}" for i in range(cfg.engines)]
-    task = asyncio.create_task(serve_engines(cfg, max_seqs, ids, bus, stop.wait, ready.set))
-    waiter = asyncio.create_task(ready.wait())
-    await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
-    if task.done():
-        waiter.cancel()
-        task.result()  # raises what stopped the engines
-    try:
-        yield
-    finally:
-        stop.set()
-        reports.append(await task)
+            stop.set()
+            self.front = await front
+            self.engines.append(await engines)
 
 
 def summarize(run: EmulatedRun) -> dict[str, Any]:

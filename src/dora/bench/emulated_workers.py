@@ -1,10 +1,12 @@
-"""The engine side of the emulated fleet: generators over paced timing engines.
+"""The worker side of the emulated fleet: generators over paced timing engines, and the front
+(dispatcher + scorer).
 
-``serve_engines`` runs a slice of the fleet's generators on one event loop until told to stop;
-``engine_process`` is the same in a separate OS process (its own NATS client, its own loop),
-as separate generator processes would be in production. Splitting the fleet over processes
-matters here for a practical reason: every CPU second the emulation spends is ``time_scale``
-emulated seconds, and one Python process on a loaded two-core machine gets less than one core.
+``serve_engines`` runs a slice of the fleet's generators on one event loop until told to stop,
+``serve_front`` the dispatcher and the scorer; ``role_process`` runs either in a separate OS
+process (its own NATS client, its own loop), as separate services would in production.
+Splitting the fleet over processes matters here for a practical reason: every CPU second the
+emulation spends is ``time_scale`` emulated seconds, and one Python process on a loaded
+two-core machine gets less than one core.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from typing import Any
 import structlog
 
 from dora.bench.emulated_engine import GroupSpecs, PacedSimEngine
-from dora.bus import Bus, NatsBus
+from dora.bus import Bus, ConsumerSpec, NatsBus
 from dora.engines.sim import workload_preset
-from dora.events import WeightVersion
+from dora.events import SamplingParams, ScoredTrajectory, Trajectory, WeightVersion
+from dora.rollout.dispatch_service import DispatchService
+from dora.rollout.dispatcher import Dispatcher, DispatcherConfig
 from dora.rollout.generator import Generator, GeneratorConfig
 from dora.subjects import Subjects
 
@@ -123,7 +127,96 @@ async def serve_engines(
     return report
 
 
-def engine_process(
+def trimmed(traj: Trajectory) -> Trajectory:
+    """``traj`` without its token arrays: what the learner stand-in needs (ids, group, version).
+
+    The stand-in trains on nothing, and parsing ~60 KB of token JSON per sample at every hop
+    would cost the two CPU cores more than everything else the fleet does (at 50x, one CPU
+    second is 50 emulated seconds); the scorer puts the token counts in ``details`` first.
+    """
+    request = traj.request.model_copy(update={"resume": None})
+    return traj.model_copy(
+        update={
+            "request": request,
+            "prompt_token_ids": traj.prompt_token_ids[:1],
+            "completion_token_ids": (),
+            "logprobs": (),
+            "loss_mask": (),
+            "token_versions": (),
+            "turns": (),
+        }
+    )
+
+
+async def scorer(bus: Bus) -> None:
+    """A verifier stand-in: scores each trajectory (length parity) and forwards it trimmed."""
+    consumer = await bus.consumer(ConsumerSpec("scorer", bus.subjects.trajectories))
+    try:
+        while True:
+            for msg in await consumer.fetch(batch=64, timeout=0.2):
+                traj = Trajectory.model_validate_json(msg.data)
+                n = len(traj.completion_token_ids)
+                scored = ScoredTrajectory(
+                    event_id=f"scored-{traj.request.request_id}",
+                    trajectory=trimmed(traj),
+                    reward=float(n % 2),
+                    details={"completion_tokens": n, "prompt_tokens": len(traj.prompt_token_ids)},
+                )
+                await bus.publish_event(bus.subjects.scored, scored)
+                await msg.ack()
+    finally:
+        await consumer.close()
+
+
+@dataclass
+class FrontReport:
+    """What the dispatcher did."""
+
+    requests: int = 0
+    refusals: dict[str, int] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+
+async def serve_front(
+    cfg: Any,
+    bus: Bus,
+    stop: Callable[[], Awaitable[None]],
+    on_ready: Callable[[], None] = lambda: None,
+) -> FrontReport:
+    """The dispatcher (prompts -> tagged requests) and the scorer, until ``stop()``."""
+    workload = workload_preset(cfg.workload)
+    dispatcher = Dispatcher(
+        DispatcherConfig(
+            group_size=cfg.group_size,
+            batch_groups=cfg.batch_groups,
+            staleness_bound=cfg.staleness,
+            mode=cfg.mode,
+            seed=cfg.seed,
+            sampling=SamplingParams(temperature=1.0, max_tokens=workload.max_tokens),
+        )
+    )
+    dispatch = DispatchService(bus, dispatcher, max_prompts=cfg.max_prompts)
+    tasks = [
+        asyncio.create_task(dispatch.run(), name="dispatcher"),
+        asyncio.create_task(scorer(bus), name="scorer"),
+    ]
+    on_ready()
+    try:
+        await stop()
+    finally:
+        dispatch.stop()
+        tasks[1].cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    failures = [
+        repr(r)
+        for r in results
+        if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)
+    ]
+    return FrontReport(dispatch.stats.requests, dict(dispatch.stats.refusals), failures)
+
+
+def role_process(
+    role: str,
     cfg: Any,
     max_seqs: int,
     engine_ids: list[str],
@@ -133,10 +226,11 @@ def engine_process(
     results: Any,
     index: int,
 ) -> None:
-    """Process entry: ``serve_engines`` on its own NATS client until ``stop_event`` is set.
+    """Process entry: ``serve_engines`` (role "engines") or ``serve_front`` (role "front") on
+    its own NATS client until ``stop_event`` is set.
 
-    Puts ``("ready", index)`` once every generator answers control commands, then
-    ``("done", index, EngineReport)`` (or ``("error", index, text)``) at the end.
+    Puts ``("ready", index)`` once serving, then ``("done", index, report)`` (or
+    ``("error", index, text)``) at the end.
     """
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
 
@@ -144,13 +238,16 @@ def engine_process(
         while not stop_event.is_set():
             await asyncio.sleep(0.05)
 
-    async def main() -> EngineReport:
+    def ready() -> None:
+        results.put(("ready", index))
+
+    async def main() -> EngineReport | FrontReport:
         bus = NatsBus(Subjects(run_id), url)
         await bus.connect()
         try:
-            return await serve_engines(
-                cfg, max_seqs, engine_ids, bus, stop, lambda: results.put(("ready", index))
-            )
+            if role == "front":
+                return await serve_front(cfg, bus, stop, ready)
+            return await serve_engines(cfg, max_seqs, engine_ids, bus, stop, ready)
         finally:
             await bus.close()
 
@@ -172,31 +269,33 @@ def split(items: list[str], parts: int) -> list[list[str]]:
     return out
 
 
-class EngineProcesses:
-    """Engine slices in ``n`` spawned processes; ``async with`` starts them and waits ready."""
+class WorkerProcesses:
+    """The front (dispatcher + scorer) and ``n`` engine slices in spawned processes;
+    ``async with`` starts them and waits until each serves; the exit stops and joins them."""
 
     def __init__(self, cfg: Any, max_seqs: int, url: str, run_id: str, n: int) -> None:
         ids = [f"e{i}" for i in range(cfg.engines)]
-        self.slices = split(ids, n)
+        roles = [("front", [])] + [("engines", s) for s in split(ids, n)]
         ctx = mp.get_context("spawn")
         self.stop_event = ctx.Event()
         self.results = ctx.Queue()
         self.procs = [
             ctx.Process(
-                target=engine_process,
-                args=(cfg, max_seqs, s, url, run_id, self.stop_event, self.results, i),
-                name=f"dora-emulated-engines-{i}",
+                target=role_process,
+                args=(role, cfg, max_seqs, s, url, run_id, self.stop_event, self.results, i),
+                name=f"dora-emulated-{role}-{i}",
                 daemon=True,
             )
-            for i, s in enumerate(self.slices)
+            for i, (role, s) in enumerate(roles)
         ]
         self.reports: list[EngineReport] = []
+        self.front: FrontReport | None = None
         self.errors: list[str] = []
 
     async def _next(self, timeout: float) -> tuple[Any, ...]:
         return await asyncio.to_thread(self.results.get, True, timeout)
 
-    async def __aenter__(self) -> EngineProcesses:
+    async def __aenter__(self) -> WorkerProcesses:
         for p in self.procs:
             p.start()
         ready = 0
@@ -214,7 +313,9 @@ class EngineProcesses:
         try:
             for _ in self.procs:
                 msg = await self._next(60)
-                if msg[0] == "done":
+                if msg[0] == "done" and isinstance(msg[2], FrontReport):
+                    self.front = msg[2]
+                elif msg[0] == "done":
                     self.reports.append(msg[2])
                 else:
                     self.errors.append(f"engine process {msg[1]}: {msg[2]}")
