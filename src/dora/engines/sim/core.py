@@ -105,6 +105,7 @@ class TimingCore:
         self._waiting_ids: dict[int, SimRequest] = {}
         self._waiting_prefill = 0
         self._tools: list[tuple[float, int, SimRequest]] = []
+        self._evicted: set[int] = set()  # tool waiters whose KV was dropped
         self._seq = itertools.count()
         # accounting
         self.busy_s = 0.0
@@ -155,7 +156,10 @@ class TimingCore:
 
     def next_event_time(self) -> float:
         """Virtual time of this core's next internal event (inf when idle)."""
-        if self._waiting and self._admissible(self._waiting[0][2]):
+        waiting = self._waiting
+        while waiting and self._waiting_ids.get(waiting[0][2].rid) is not waiting[0][2]:
+            heapq.heappop(waiting)  # stale entry (request removed or re-queued)
+        if waiting and self._admissible(waiting[0][2]):
             return self.clock
         t = self._tools[0][0] if self._tools else INF
         n = len(self.running)
@@ -212,7 +216,10 @@ class TimingCore:
                         req = r
                         self._tools.pop(i)
                         heapq.heapify(self._tools)
-                        self.held -= r.context
+                        if r.rid in self._evicted:
+                            self._evicted.discard(r.rid)
+                        else:
+                            self.held -= r.context
                         break
                 if req is None:
                     raise KeyError(f"request_id: {rid} is not on engine {self.engine_id}")
@@ -252,8 +259,10 @@ class TimingCore:
             return
         req = self.running.get(rid)
         if req is None:
+            req = next((r for _, _, r in self._tools if r.rid == rid), None)
+        if req is None:
             raise KeyError(f"request_id: {rid} is not on engine {self.engine_id}")
-        req.priority = priority  # running requests already decode every step
+        req.priority = priority  # running requests decode every step; tool waiters on wake
 
     # ------------------------------------------------------------------ time
     def advance_to(self, t: float) -> list[SimRequest]:
@@ -261,10 +270,12 @@ class TimingCore:
         finished: list[SimRequest] = []
         cost = self.cost
         while True:
+            self._wake_tools()
             self._admit()
             n = len(self.running)
             if n and (self.capacity - self.context - self.held) // n <= 0:
-                self._preempt_youngest()
+                if not self._evict_tool_waiter():
+                    self._preempt_youngest()
                 continue
             if self.clock >= t:
                 break
@@ -296,12 +307,22 @@ class TimingCore:
                 self._advance(k, n)
                 if k == k_evt:
                     self._segment_ends(finished)
-            while self._tools and self._tools[0][0] <= self.clock:
-                _, _, req = heapq.heappop(self._tools)
-                req.kv_held = req.context  # stays counted in self.held until admitted
-                req.prefill = req.spec.tool_tokens[req.seg - 1]
-                self._push_waiting(req, front=True)
         return finished
+
+    def _wake_tools(self) -> None:
+        """Requests whose tool answered by now rejoin the queue (front)."""
+        while self._tools and self._tools[0][0] <= self.clock:
+            _, _, req = heapq.heappop(self._tools)
+            tool = req.spec.tool_tokens[req.seg - 1]
+            if req.rid in self._evicted:  # its KV was dropped under pressure: recompute
+                self._evicted.discard(req.rid)
+                req.recomputed += req.context
+                req.context += tool
+                req.kv_held, req.prefill = 0, req.context
+            else:
+                req.kv_held = req.context  # stays counted in self.held until admitted
+                req.prefill = tool
+            self._push_waiting(req, front=True)
 
     def run_until_idle(self) -> list[SimRequest]:
         return self.advance_to(INF)
@@ -406,6 +427,21 @@ class TimingCore:
             self.clock += prefill_s
             self.busy_s += prefill_s
             self.prefill_s += prefill_s
+
+    def _evict_tool_waiter(self) -> bool:
+        """Drop the KV of the request whose tool answers last (it re-prefills on wake)."""
+        best = None
+        for entry in self._tools:
+            req = entry[2]
+            if req.rid not in self._evicted and (best is None or entry[0] > best[0]):
+                best = entry
+        if best is None:
+            return False
+        req = best[2]
+        self._evicted.add(req.rid)
+        self.held -= req.context
+        self.preemptions += 1
+        return True
 
     def _preempt_youngest(self) -> None:
         rid = next(reversed(self.running))
