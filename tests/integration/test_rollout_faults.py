@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -39,7 +39,12 @@ from dora.events import (
 from dora.rollout.actions import AssignEngine
 from dora.rollout.dispatcher import DispatcherConfig
 from dora.rollout.fleet import FleetConfig, RolloutFleet
-from dora.rollout.generator import Generator, GeneratorConfig, request_queue_spec
+from dora.rollout.generator import (
+    Generator,
+    GeneratorConfig,
+    RolloutMode,
+    request_queue_spec,
+)
 from dora.rollout.learner_standin import LearnerStandin, StandinConfig
 from dora.rollout.migrator import Migrator
 from dora.rollout.orchestrator import OrchestratorConfig
@@ -119,6 +124,21 @@ async def drain_trajectories(consumer: Any) -> list[Trajectory]:
     return out
 
 
+async def learned(run: FleetRun, learning: asyncio.Task[None], timeout: float = 40) -> None:
+    """Wait for the learner stand-in to finish; fail early (with the cause) if a component died."""
+    try:
+        async with asyncio.timeout(timeout):
+            while not learning.done():
+                for task in run.fleet._tasks:
+                    if task.done() and task.get_name() not in run.killed:
+                        raise AssertionError(f"{task.get_name()} died: {task.exception()!r}")
+                await asyncio.wait({learning}, timeout=0.2)
+    finally:
+        if not learning.done():
+            learning.cancel()
+    learning.result()
+
+
 @dataclass
 class FleetRun:
     """A dora-mode fleet of FakeEngines (one bus client each) + scorer + learner stand-in."""
@@ -128,6 +148,7 @@ class FleetRun:
     learner: LearnerStandin
     engine_buses: list[NatsBus]
     audit: Any
+    killed: set[str] = field(default_factory=set)
 
     def task(self, name: str) -> asyncio.Task[Any]:
         return next(t for t in self.fleet._tasks if t.get_name() == name)
@@ -159,6 +180,7 @@ async def fleet_run(
     subjects: Subjects,
     engines: int = 3,
     gate: Callable[[int], Awaitable[None]] | None = None,
+    mode: RolloutMode = "dora",
 ) -> AsyncIterator[FleetRun]:
     """``gate(version)`` runs before the learner publishes a version (to hold the run)."""
     bus = await connect(server, subjects)
@@ -179,7 +201,7 @@ async def fleet_run(
 
     policy = OrchestratorConfig(assign_cooldown_s=0.0, weight_load_s=0.0)
     config = FleetConfig(
-        mode="dora",
+        mode=mode,
         dispatcher=DispatcherConfig(
             group_size=G,
             batch_groups=B,
@@ -228,16 +250,20 @@ async def fleet_run(
 # --------------------------------------------------------------------------- 1. engine killed
 
 
-async def test_engine_killed_mid_run(nats_server: NatsServer, subjects: Subjects) -> None:
-    async with fleet_run(nats_server, subjects) as run:
+@pytest.mark.parametrize("mode", ["dora", "one_step_off"])
+async def test_engine_killed_mid_run(
+    nats_server: NatsServer, subjects: Subjects, mode: RolloutMode
+) -> None:
+    async with fleet_run(nats_server, subjects, mode=mode) as run:
         victim = run.generator("e0")
         victim.engine.freeze_at = 3  # its requests stay in flight until it dies
         async with run.fleet:
             learning = asyncio.create_task(run.learner.run())
             await until(lambda: len(victim._held) >= 2, what="the victim holding requests")
             lost = {rid: s.request.version for rid, s in victim.engine.running.items()}
+            run.killed.add("e0")
             await kill(run.engine_buses[0], run.task("e0"))
-            await asyncio.wait_for(learning, timeout=40)
+            await learned(run, learning)
             survivors = [t for t in run.fleet._tasks if t.get_name() != "e0"]
             assert not any(t.done() for t in survivors), "a surviving component died"
         trajectories = await drain_trajectories(run.audit)
@@ -482,7 +508,7 @@ async def test_orchestrator_restarted_mid_run(nats_server: NatsServer, subjects:
                 fresh.run(), name="controller"
             )
             restarted.set()
-            await asyncio.wait_for(learning, timeout=40)
+            await learned(run, learning)
             assert fleet.failures() == []
         trajectories = await drain_trajectories(run.audit)
     run.check_invariants(trajectories)

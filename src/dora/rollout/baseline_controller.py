@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 import structlog
@@ -24,7 +26,8 @@ import structlog
 from dora.aio import cancel_all
 from dora.bus import Bus, Subscription
 from dora.events import AssignVersion, EngineStatus, Event, WeightVersion
-from dora.rollout.generator import QUEUE_ACK_WAIT_S, request_queue_spec
+from dora.rollout.generator import QUEUE_ACK_WAIT_S
+from dora.rollout.orchestrator_service import QueueDepths
 
 log = structlog.get_logger(__name__)
 
@@ -40,16 +43,21 @@ class BaselineController:
         mode: BaselineMode,
         tick_s: float = 0.1,
         queue_ack_wait_s: float = QUEUE_ACK_WAIT_S,
+        engine_timeout_s: float = 5.0,
     ) -> None:
-        """``queue_ack_wait_s``: the generators' (see ``request_queue_spec``)."""
+        """``queue_ack_wait_s``: the generators' (see ``request_queue_spec``); an engine silent
+        for ``engine_timeout_s`` is gone (its requests come back through the queue)."""
         self.bus = bus
-        self.queue_ack_wait_s = queue_ack_wait_s
         self.mode = mode
         self.tick_s = tick_s
+        self.engine_timeout_s = engine_timeout_s
         self.newest = 0
         self.status: dict[str, EngineStatus] = {}
+        self.seen: dict[str, float] = {}
+        self._floor = 0
+        """Versions below it are finished: no queued work, no holder, never tagged again."""
         self.assignments: list[tuple[float, str, int]] = []
-        self._queues: dict[int, object] = {}
+        self._depths = QueueDepths(bus, queue_ack_wait_s, orphan_grace_s=engine_timeout_s)
         self._stop = asyncio.Event()
 
     def stop(self) -> None:
@@ -69,39 +77,75 @@ class BaselineController:
             await cancel_all([watch, watch_weights])
             await status.unsubscribe()
             await weights.unsubscribe()
-            for consumer in self._queues.values():
-                await consumer.close()  # type: ignore[attr-defined]
+            await self._depths.close()
 
     async def _watch_status(self, sub: Subscription) -> None:
         async for msg in sub:
             with contextlib.suppress(ValueError):
                 status = EngineStatus.model_validate_json(msg.data)
                 self.status[status.engine_id] = status
+                self.seen[status.engine_id] = time.monotonic()
 
     async def _watch_weights(self, sub: Subscription) -> None:
         async for msg in sub:
             with contextlib.suppress(ValueError):
                 self.newest = max(self.newest, WeightVersion.model_validate_json(msg.data).version)
 
-    async def _queue_depth(self, version: int) -> int:
-        if version not in self._queues:
-            self._queues[version] = await self.bus.consumer(
-                request_queue_spec(self.bus.subjects, version, self.queue_ack_wait_s)
-            )
-        return int((await self._queues[version].state()).pending)  # type: ignore[attr-defined]
-
     async def tick(self) -> None:
-        for engine_id, status in sorted(self.status.items()):
+        now = time.monotonic()
+        live = {
+            e: st
+            for e, st in sorted(self.status.items())
+            if now - self.seen.get(e, now) <= self.engine_timeout_s
+        }
+        held = Counter(r.version for st in live.values() for r in st.requests)
+        depths: dict[int, int] = {}
+
+        async def depth(version: int) -> int:
+            if version not in depths:
+                depths[version] = await self._depths.depth(version, held[version], now)
+            return depths[version]
+
+        if self.mode != "partial":
+            await self._serve_old_queues(live, depth)
+        for engine_id, status in live.items():
             current = status.assigned_version
             if current is not None and current >= self.newest:
                 continue
-            if (
-                self.mode != "partial"
-                and current is not None
-                and await self._queue_depth(current) > 0
-            ):
+            if self.mode != "partial" and current is not None and await depth(current) > 0:
                 continue  # finish this version's queue first
             await self._assign(engine_id, self.newest)
+
+    async def _serve_old_queues(
+        self,
+        live: dict[str, EngineStatus],
+        depth: Callable[[int], Awaitable[int]],
+    ) -> None:
+        """An old version with work left and no live puller gets one back: the least-busy live
+        engine (it loads that version once its own requests finish). Work is left there when
+        an engine died holding requests of it (orphans, redelivered), or when the learner
+        published two versions between ticks and every engine jumped past it."""
+        gone = [st for e, st in self.status.items() if e not in live]
+        lost = {st.assigned_version for st in gone} | {
+            r.version for st in gone for r in st.requests
+        }
+        lost.discard(None)
+        versions = sorted({*range(self._floor, self.newest), *lost})
+        for version in (v for v in versions if v is not None and v < self.newest):
+            if any(st.assigned_version == version for st in live.values()):
+                continue
+            if await depth(version) <= 0:
+                settled = self._depths.last[version].depth == 0  # nothing queued or unacked
+                if version == self._floor and settled and version not in lost:
+                    self._floor += 1  # nothing will ever come to this version again
+                continue
+            candidates = [st for st in live.values() if st.assigned_version != version]
+            if not candidates:
+                return
+            pick = min(candidates, key=lambda st: (len(st.requests), st.engine_id))
+            log.info("old_queue_served", engine=pick.engine_id, version=version)
+            await self._assign(pick.engine_id, version)
+            live[pick.engine_id] = self.status[pick.engine_id]
 
     async def _assign(self, engine_id: str, version: int) -> None:
         command: Event = AssignVersion(engine_id=engine_id, version=version)

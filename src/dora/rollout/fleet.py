@@ -84,7 +84,12 @@ class RolloutFleet:
                 bus, replace(config.orchestrator, queue_ack_wait_s=ack_wait)
             )
         else:
-            self.controller = BaselineController(bus, config.mode, queue_ack_wait_s=ack_wait)
+            self.controller = BaselineController(
+                bus,
+                config.mode,
+                queue_ack_wait_s=ack_wait,
+                engine_timeout_s=config.orchestrator.engine_timeout_s,
+            )
         self._tasks: list[asyncio.Task[Any]] = []
 
     async def start(self) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from dora.aio import cancel_all
-from dora.bus import Bus, ConsumerSpec, Subscription
+from dora.bus import Bus, ConsumerSpec, ConsumerState, Subscription
 from dora.events import ControlReply, EngineStatus, Event, Ledger, Trajectory
 from dora.rollout.actions import (
     Action,
@@ -64,6 +64,48 @@ class _Memory:
     migrating: set[str] = field(default_factory=set)
 
 
+class QueueDepths:
+    """Depth of each version's request queue as a controller must see it.
+
+    Requests never delivered, plus *orphans*: requests delivered to an engine that died. An
+    orphan stays unacked (in ``ack_pending``) until its lease expires and it is redelivered,
+    and no live engine reports it. Unless it counts as queued work, a controller may leave its
+    version without a puller and the redelivered request waits forever. The excess of unacked
+    over held requests also shows briefly after every pull or during a migration (status
+    lags), so it counts only once it has lasted ``orphan_grace_s``.
+    """
+
+    def __init__(self, bus: Bus, ack_wait_s: float, orphan_grace_s: float) -> None:
+        self.bus = bus
+        self.ack_wait_s = ack_wait_s
+        self.orphan_grace_s = orphan_grace_s
+        self._queues: dict[int, object] = {}
+        self._excess_since: dict[int, float] = {}
+        self.last: dict[int, ConsumerState] = {}
+        """The consumer state each version's last depth was computed from."""
+
+    async def depth(self, version: int, held: int, now: float) -> int:
+        """``held``: requests of ``version`` that live engines report holding."""
+        if version not in self._queues:
+            spec = request_queue_spec(self.bus.subjects, version, self.ack_wait_s)
+            self._queues[version] = await self.bus.consumer(spec)
+        state = await self._queues[version].state()  # type: ignore[attr-defined]
+        self.last[version] = state
+        excess = int(state.ack_pending) - held
+        if excess <= 0:
+            self._excess_since.pop(version, None)
+            return int(state.pending)
+        since = self._excess_since.setdefault(version, now)
+        if now - since < self.orphan_grace_s:
+            return int(state.pending)
+        log.info("orphaned_requests", version=version, count=excess)
+        return int(state.pending) + excess
+
+    async def close(self) -> None:
+        for consumer in self._queues.values():
+            await consumer.close()  # type: ignore[attr-defined]
+
+
 class OrchestratorService:
     """``await run()`` until ``stop()``; ``actions`` keeps everything it decided."""
 
@@ -76,8 +118,9 @@ class OrchestratorService:
         self.memory = _Memory()
         self.actions: list[tuple[float, Action]] = []
         self.ledger: Ledger | None = None
-        self._queues: dict[int, object] = {}
-        self._orphans_since: dict[int, float] = {}
+        self._depths = QueueDepths(
+            bus, self.config.queue_ack_wait_s, orphan_grace_s=self.config.engine_timeout_s
+        )
         self._stop = asyncio.Event()
         self._migrations: set[asyncio.Task[None]] = set()
 
@@ -103,8 +146,7 @@ class OrchestratorService:
             await asyncio.gather(*self._migrations, return_exceptions=True)
             await status_sub.unsubscribe()
             await lengths.close()
-            for consumer in self._queues.values():
-                await consumer.close()  # type: ignore[attr-defined]
+            await self._depths.close()
 
     # ------------------------------------------------------------------ inputs
 
@@ -129,30 +171,6 @@ class OrchestratorService:
         raw = await self.bus.kv_get("ledger")
         return None if raw is None else Ledger.model_validate_json(raw)
 
-    async def _queue_depth(self, version: int, held: int, now: float) -> int:
-        """Requests of ``version`` no live engine holds: never delivered, plus *orphans*.
-
-        An orphan is a request delivered to an engine that died: it stays unacked (counted
-        in ``ack_pending``) until its lease expires and it is redelivered, and no live engine
-        reports it. Unless it counts as queued work, ``plan`` may leave its version without a
-        puller and the redelivered request would wait forever. The excess of unacked over
-        held requests also shows briefly after every pull or during a migration (status
-        lags), so it counts only once it has lasted ``engine_timeout_s``.
-        """
-        if version not in self._queues:
-            spec = request_queue_spec(self.bus.subjects, version, self.config.queue_ack_wait_s)
-            self._queues[version] = await self.bus.consumer(spec)
-        state = await self._queues[version].state()  # type: ignore[attr-defined]
-        excess = int(state.ack_pending) - held
-        if excess <= 0:
-            self._orphans_since.pop(version, None)
-            return int(state.pending)
-        since = self._orphans_since.setdefault(version, now)
-        orphans = excess if now - since >= self.config.engine_timeout_s else 0
-        if orphans:
-            log.info("orphaned_requests", version=version, count=orphans)
-        return int(state.pending) + orphans
-
     # ------------------------------------------------------------------ state
 
     async def build_state(self) -> ClusterState:
@@ -172,7 +190,7 @@ class OrchestratorService:
             if not gone:
                 held.update(r.version for r in status.requests)
                 versions.update(held)
-        depths = {v: await self._queue_depth(v, held[v], now) for v in sorted(versions)}
+        depths = {v: await self._depths.depth(v, held[v], now) for v in sorted(versions)}
         return ClusterState(
             now=now,
             engines=tuple(engines),
