@@ -335,8 +335,16 @@ async def _run(cfg: EmulatedConfig, bus: NatsBus) -> EmulatedRun:
         async with workers.run(cfg, max_seqs, bus):
             control = asyncio.create_task(controller.run(), name="controller")
             try:
-                await asyncio.wait_for(standin.run(), timeout=cfg.timeout_s)
-                if cfg.max_prompts is not None:  # every request must come back: wait for them
+                try:
+                    await asyncio.wait_for(standin.run(), timeout=cfg.timeout_s)
+                except TimeoutError:
+                    workers.failures.append(
+                        f"stalled: the learner took {len(learner.steps)} of {cfg.steps} steps "
+                        f"in {cfg.timeout_s:.0f} s wall ({len(samples)} samples scored)"
+                    )
+                if (
+                    cfg.max_prompts is not None and not workers.failures
+                ):  # every request must come back: wait for them
                     expected = cfg.max_prompts * cfg.group_size
                     deadline = time.monotonic() + cfg.timeout_s
                     while len(samples) < expected:

@@ -128,21 +128,25 @@ async def serve_engines(
 
 
 def trimmed(traj: Trajectory) -> Trajectory:
-    """``traj`` without its token arrays: what the learner stand-in needs (ids, group, version).
+    """``traj`` with one token left: what the learner stand-in needs (ids, group, version, and
+    the oldest token's version, which a partial-rollout sample counts as).
 
     The stand-in trains on nothing, and parsing ~60 KB of token JSON per sample at every hop
     would cost the two CPU cores more than everything else the fleet does (at 50x, one CPU
     second is 50 emulated seconds); the scorer puts the token counts in ``details`` first.
     """
     request = traj.request.model_copy(update={"resume": None})
+    keep = 1 if traj.completion_token_ids else 0
+    versions = traj.token_versions
     return traj.model_copy(
         update={
             "request": request,
             "prompt_token_ids": traj.prompt_token_ids[:1],
-            "completion_token_ids": (),
-            "logprobs": (),
-            "loss_mask": (),
-            "token_versions": (),
+            "completion_token_ids": traj.completion_token_ids[:keep],
+            "logprobs": traj.logprobs[:keep],
+            "loss_mask": traj.loss_mask[:keep],
+            # the learner counts a partial-rollout sample as its oldest token's version
+            "token_versions": (min(versions),) if versions and keep else (),
             "turns": (),
         }
     )
