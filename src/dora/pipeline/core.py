@@ -171,9 +171,10 @@ class Pipeline:
                 task.cancel()
 
     async def stop(self) -> None:
-        """Drain and stop every stage (in order), then close what the pipeline opened."""
+        """Drain and stop every stage, upstream first (the reverse of the order given), then
+        close what the pipeline opened: what is in flight reaches the stages still running."""
         self._stop_requested.set()
-        for runner in self.runners:
+        for runner in reversed(self.runners):
             try:
                 await runner.stop()
             except Exception:

@@ -83,8 +83,7 @@ class LearnerStage(Stage):
         await self.service.ready.wait()  # its durable consumer exists before `scored` flows
 
     async def produce(self, ctx: Context) -> AsyncIterator[Event]:
-        await self.task
-        await asyncio.to_thread(self._finish, ctx)
+        await self.task  # training done: the run completes, upstream stages are stopped
         return
         yield  # pragma: no cover - makes this an async generator
 
@@ -114,9 +113,13 @@ class LearnerStage(Stage):
         self.result = result
 
     async def teardown(self, ctx: Context) -> None:
+        """Runs after the rollout stopped (the pipeline stops upstream first): the evaluation
+        then has the CPU to itself."""
         if not self.task.done():
             self.stop_event.set()
             await asyncio.gather(self.task, return_exceptions=True)
+        if not self.task.cancelled() and self.task.exception() is None:
+            await asyncio.to_thread(self._finish, ctx)
 
     def progress_total(self) -> int | None:
         return LearnerConfigLike.max_steps(self.config.learner)
