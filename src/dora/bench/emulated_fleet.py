@@ -244,11 +244,21 @@ class TimedLearner:
     standin: LearnerStandin | None = None
     steps: list[StepTiming] = field(default_factory=list)
 
+    async def _samples(self, ids: list[str], timeout_s: float = 30.0) -> list[Sample]:
+        """The batch's samples; ``collect`` reads the same stream as the stand-in, so it may
+        lag the stand-in by a few milliseconds."""
+        deadline = time.monotonic() + timeout_s
+        while missing := [rid for rid in ids if rid not in self.samples]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"samples never collected: {missing[:5]}")
+            await asyncio.sleep(0.002)
+        return [self.samples[rid] for rid in ids]
+
     async def publish(self, version: int) -> None:
         assert self.standin is not None
         record = self.standin.consumed[-1]
         start = time.time()
-        got = [self.samples[rid] for rid in record.request_ids]
+        got = await self._samples(record.request_ids)
         completion = sum(s.completion_tokens for s in got)
         tokens = completion + sum(s.prompt_tokens for s in got)
         sim = self.cfg.sim_config()
