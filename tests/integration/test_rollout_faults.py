@@ -516,3 +516,20 @@ async def test_orchestrator_restarted_mid_run(nats_server: NatsServer, subjects:
     after = assigns(fresh)
     # versions 2 and 3 exist only after the restart: only the fresh one can have assigned them
     assert before == 1 and max(after, default=0) >= 2
+
+
+async def test_request_fetched_across_a_version_switch_is_handed_back(
+    nats_server: NatsServer, subjects: Subjects, nats_bus: NatsBus
+) -> None:
+    """A fetch in flight when the engine loads another version returns an old request: it
+    goes back to the queue (for an engine of its version), never to the dead letters."""
+    await nats_bus.publish_event(nats_bus.subjects.requests(0), request(1))
+    gen = generator(nats_bus, "e0")
+    queue = await nats_bus.consumer(request_queue_spec(nats_bus.subjects, 0, ACK_WAIT_S))
+    (msg,) = await queue.fetch(batch=1, timeout=2.0)
+    gen.engine.load_weights(1, {})  # the switch happened while the fetch was in flight
+    await gen._admit(msg, 0)
+    assert gen.stats.dead_lettered == 0 and not gen._held
+    (again,) = await queue.fetch(batch=1, timeout=2.0)
+    assert again.num_delivered == 2 and again.stream_seq == msg.stream_seq
+    await again.ack()

@@ -256,6 +256,11 @@ class Generator:
                 raise EngineError(
                     f"request tagged v{request.version} arrived on the v{version} queue"
                 )
+            if self.engine.version != version:
+                # Reassigned while this fetch was in flight and already loaded the new
+                # weights: not a bad request, just no longer ours. Hand it back.
+                await msg.nak()
+                return
             await self._call(self.engine.add_request, request)
         except (ValidationError, EngineError) as exc:
             await self._dead_letter(msg, f"{type(exc).__name__}: {exc}")
