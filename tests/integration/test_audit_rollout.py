@@ -54,10 +54,12 @@ async def test_recorder_beside_generators_and_migration(nats_bus: NatsBus, tmp_p
     source.engine.freeze_at = 5
     async with RunRecorder(nats_bus, tmp_path, status_interval_s=0.0) as recorder:
         await nats_bus.publish_event(s.requests(0), _request(1, max_tokens=20))
-        tasks = [asyncio.create_task(g.run()) for g in (source, target)]
+        tasks = [asyncio.create_task(source.run())]
         try:
-            await asyncio.gather(source.ready.wait(), target.ready.wait())
+            # the source holds the request before the target exists: nobody else can pull it
             await _until(lambda: any(len(q.tokens) == 5 for q in source.engine.running.values()))
+            tasks.append(asyncio.create_task(target.run()))
+            await target.ready.wait()
             # the target must not pull the request itself, then takes it over with its KV
             await nats_bus.request(
                 s.control("dst"), Drain(engine_id="dst").model_dump_json().encode()
