@@ -35,7 +35,7 @@ from dora.rollout.estimates import LengthRecorder
 from dora.rollout.generator import QUEUE_ACK_WAIT_S, request_queue_spec
 from dora.rollout.migrator import Migrator
 from dora.rollout.orchestrator import DEFAULT_CONFIG, OrchestratorConfig, plan
-from dora.rollout.state import ClusterState, EngineView, RequestView
+from dora.rollout.state import ClusterState, EngineView
 
 log = structlog.get_logger(__name__)
 
@@ -202,32 +202,17 @@ class OrchestratorService:
         )
 
     def _view(self, status: EngineStatus, override: str | None) -> EngineView:
-        requests = tuple(
-            RequestView(
-                request_id=r.request_id,
-                version=r.version,
-                generated=r.generated,
-                max_tokens=r.max_tokens,
-                kv_blocks=r.kv_blocks,
-                priority=self.memory.priority.get(r.request_id, 0),
-                dispatched_at=r.dispatched_at,
-                last_migrated_at=self.memory.migrated_at.get(r.request_id),
-            )
-            for r in status.requests
-            if r.request_id not in self.memory.migrating
-        )
-        return EngineView(
-            engine_id=status.engine_id,
-            state=override or status.state,  # type: ignore[arg-type]
-            version=status.version,
-            assigned_version=status.assigned_version,
-            kv_blocks_total=status.kv_blocks_total,
-            kv_blocks_used=status.kv_blocks_used,
-            block_size=status.block_size,
-            max_running=status.max_running,
-            tokens_per_s=status.tokens_per_s,
-            waiting=status.waiting,
-            requests=requests,
+        """The engine as ``plan`` sees it; requests being migrated are hidden."""
+        moving = self.memory.migrating
+        if moving:
+            kept = tuple(r for r in status.requests if r.request_id not in moving)
+            status = status.model_copy(update={"requests": kept})
+        if override is not None:
+            status = status.model_copy(update={"state": override})
+        return EngineView.from_status(
+            status,
+            priorities=self.memory.priority,
+            migrated_at=self.memory.migrated_at,
             assigned_at=self.memory.assigned_at.get(status.engine_id),
         )
 
