@@ -35,7 +35,7 @@ import contextlib
 import hashlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -49,7 +49,7 @@ from dora.bench.emulated_workers import (
     serve_engines,
     serve_front,
 )
-from dora.bus import Bus, ConsumerSpec, NatsBus
+from dora.bus import Bus, NatsBus
 from dora.engines.sim import cost_preset, workload_preset
 from dora.events import (
     BlobRef,
@@ -204,19 +204,6 @@ class StepTiming:
     versions: list[int]
 
 
-async def collect(bus: Bus, samples: dict[str, Sample]) -> None:
-    """Record every scored sample (the scorer put its token counts in ``details``)."""
-    consumer = await bus.consumer(ConsumerSpec("emulation", bus.subjects.scored))
-    try:
-        while True:
-            for msg in await consumer.fetch(batch=256, timeout=0.2):
-                scored = ScoredTrajectory.model_validate_json(msg.data)
-                samples[scored.trajectory.request.request_id] = Sample.of(scored)
-                await msg.ack()
-    finally:
-        await consumer.close()
-
-
 async def publish_weights(bus: Bus, version: int) -> None:
     """Announce ``version``: timing engines ignore weights, so the blob is a tiny inline ref."""
     name = f"sim-weights-v{version}"
@@ -337,12 +324,13 @@ async def _run(cfg: EmulatedConfig, bus: NatsBus) -> EmulatedRun:
     learner.standin = standin
     lags: list[float] = []
     workers = _Workers()
-    background = [
-        asyncio.create_task(collect(bus, samples), name="collect"),
-        asyncio.create_task(loop_lag(lags), name="loop_lag"),
-    ]
+    background = [asyncio.create_task(loop_lag(lags), name="loop_lag")]
+
+    def seen(scored: ScoredTrajectory) -> None:
+        samples[scored.trajectory.request.request_id] = Sample.of(scored)
+
     try:
-        async with workers.run(cfg, max_seqs, bus):
+        async with workers.run(cfg, max_seqs, bus, seen):
             control = asyncio.create_task(controller.run(), name="controller")
             try:
                 try:
@@ -389,22 +377,34 @@ async def _run(cfg: EmulatedConfig, bus: NatsBus) -> EmulatedRun:
 
 @dataclass
 class _Workers:
-    """The front and the engines, in ``cfg.processes`` + 1 processes (0: on this loop)."""
+    """The engines in ``cfg.processes`` processes (0: on this loop); the front (dispatcher +
+    scorer) on this loop, where the scorer records each sample before the learner can see it."""
 
     engines: list[EngineReport] = field(default_factory=list)
     front: FrontReport | None = None
     failures: list[str] = field(default_factory=list)
 
     @contextlib.asynccontextmanager
-    async def run(self, cfg: EmulatedConfig, max_seqs: int, bus: NatsBus) -> AsyncIterator[None]:
+    async def run(
+        self,
+        cfg: EmulatedConfig,
+        max_seqs: int,
+        bus: NatsBus,
+        seen: Callable[[ScoredTrajectory], None],
+    ) -> AsyncIterator[None]:
         if cfg.processes > 0:
             procs = WorkerProcesses(cfg, max_seqs, bus.url, bus.subjects.run, cfg.processes)
+            stop = asyncio.Event()
             try:
                 async with procs:
-                    yield
+                    front = asyncio.create_task(serve_front(cfg, bus, stop.wait, seen=seen))
+                    try:
+                        yield
+                    finally:
+                        stop.set()
+                        self.front = await front
             finally:
                 self.engines.extend(procs.reports)
-                self.front = procs.front
                 self.failures.extend(procs.errors)
             return
         stop = asyncio.Event()
@@ -416,7 +416,7 @@ class _Workers:
         if engines.done():
             waiter.cancel()
             engines.result()  # raises what stopped the engines
-        front = asyncio.create_task(serve_front(cfg, bus, stop.wait))
+        front = asyncio.create_task(serve_front(cfg, bus, stop.wait, seen=seen))
         try:
             yield
         finally:

@@ -152,8 +152,9 @@ def trimmed(traj: Trajectory) -> Trajectory:
     )
 
 
-async def scorer(bus: Bus) -> None:
-    """A verifier stand-in: scores each trajectory (length parity) and forwards it trimmed."""
+async def scorer(bus: Bus, seen: Callable[[ScoredTrajectory], None] = lambda s: None) -> None:
+    """A verifier stand-in: scores each trajectory (length parity) and forwards it trimmed;
+    ``seen`` gets each scored sample before it is published."""
     consumer = await bus.consumer(ConsumerSpec("scorer", bus.subjects.trajectories))
     try:
         while True:
@@ -166,6 +167,7 @@ async def scorer(bus: Bus) -> None:
                     reward=float(n % 2),
                     details={"completion_tokens": n, "prompt_tokens": len(traj.prompt_token_ids)},
                 )
+                seen(scored)
                 await bus.publish_event(bus.subjects.scored, scored)
                 await msg.ack()
     finally:
@@ -186,6 +188,7 @@ async def serve_front(
     bus: Bus,
     stop: Callable[[], Awaitable[None]],
     on_ready: Callable[[], None] = lambda: None,
+    seen: Callable[[ScoredTrajectory], None] = lambda s: None,
 ) -> FrontReport:
     """The dispatcher (prompts -> tagged requests) and the scorer, until ``stop()``."""
     workload = workload_preset(cfg.workload)
@@ -202,7 +205,7 @@ async def serve_front(
     dispatch = DispatchService(bus, dispatcher, max_prompts=cfg.max_prompts)
     tasks = [
         asyncio.create_task(dispatch.run(), name="dispatcher"),
-        asyncio.create_task(scorer(bus), name="scorer"),
+        asyncio.create_task(scorer(bus, seen), name="scorer"),
     ]
     on_ready()
     try:
@@ -274,12 +277,12 @@ def split(items: list[str], parts: int) -> list[list[str]]:
 
 
 class WorkerProcesses:
-    """The front (dispatcher + scorer) and ``n`` engine slices in spawned processes;
+    """``n`` engine slices in spawned processes;
     ``async with`` starts them and waits until each serves; the exit stops and joins them."""
 
     def __init__(self, cfg: Any, max_seqs: int, url: str, run_id: str, n: int) -> None:
         ids = [f"e{i}" for i in range(cfg.engines)]
-        roles = [("front", [])] + [("engines", s) for s in split(ids, n)]
+        roles = [("engines", s) for s in split(ids, n)]
         ctx = mp.get_context("spawn")
         self.stop_event = ctx.Event()
         self.results = ctx.Queue()
