@@ -10,7 +10,25 @@ of wall time at 50x, and a learner step of 40 s is a 0.8 s sleep.
 
 Defaults, sized for a few minutes on two loaded CPU cores: B = 2 groups per engine, G = 8,
 K = 1, trainer GPUs = engines (the simulator's default). At 16 engines that is 256 samples
-per step (the paper's 64-GPU runs use 8,192); both sides use the same B and G.
+per step (the paper's 64-GPU runs use 8,192); both sides use the same B and G. Use
+``--time-scale 50`` (or lower): every bus hop costs real milliseconds, i.e. ``time_scale``
+times as many emulated ones.
+
+Limits (what the emulation does not capture, or inflates):
+
+- bus and Python overheads are scaled up by ``time_scale``: dispatching a group (~20-70 ms of
+  wall time here), scoring, control round trips, a migration's export/import; partial
+  rollout's resubmission of every in-flight request with its tokens at each update is the
+  largest (tens of MB of JSON per step), so ``partial`` is the mode most slowed down;
+- the scored events reaching the learner stand-in carry one token, not the whole sample
+  (the scorer records the counts first), and the stand-in trains on nothing;
+- a migration's KV transfer is not charged to the request (the import is instant on the
+  engine's clock), only the protocol's wall-clock round trips are;
+- request placement follows NATS pull delivery (spread over every engine with room), while
+  the simulator fills one engine to ``max_seqs`` before the next: with few samples per
+  engine the two use engine-time differently (utilization differs), not rollout time;
+- run-to-run noise from other load on the machine: the event loop's lag is reported
+  (``loop-lag-p99-ms``); compare ratios within one run, and repeat seeds.
 """
 
 from __future__ import annotations
