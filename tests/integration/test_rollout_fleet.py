@@ -34,7 +34,7 @@ from dora.rollout.orchestrator_service import OrchestratorServiceConfig
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 
-G, B, K, STEPS = 4, 2, 2, 5
+G, B, K, STEPS = 4, 2, 2, 6
 MODEL_KW: dict[str, Any] = {"num_hidden_layers": 2}
 
 

@@ -33,7 +33,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from dora.aio import cancel_all
 from dora.bus import Bus, ConsumerSpec, Message
-from dora.engines.base import Engine, EngineError
+from dora.engines.base import Engine, EngineError, VersionMismatch
 from dora.events import (
     AssignVersion,
     ControlCommand,
@@ -220,7 +220,15 @@ class Generator:
         self.state = "loading"
         started = time.monotonic()
         weights = await self.weights(target)
-        await self._call(self.engine.load_weights, target, weights)
+        if self.assigned != target:
+            return  # reassigned again while fetching
+        try:
+            await self._call(self.engine.load_weights, target, weights)
+        except VersionMismatch:
+            # a pull that was in flight when the assignment changed slipped a request of
+            # the old version in: finish it first, load on a later round
+            self.state = "serving"
+            return
         self.stats.weight_loads.append((target, time.time()))
         self.state = "draining" if self.draining else "serving"
         self._room.set()
@@ -256,9 +264,9 @@ class Generator:
                 raise EngineError(
                     f"request tagged v{request.version} arrived on the v{version} queue"
                 )
-            if self.engine.version != version:
-                # Reassigned while this fetch was in flight and already loaded the new
-                # weights: not a bad request, just no longer ours. Hand it back.
+            if self.engine.version != version or self.assigned != version:
+                # Reassigned while this fetch was in flight (maybe already loading the new
+                # weights): not a bad request, just no longer ours. Hand it back.
                 await msg.nak()
                 return
             await self._call(self.engine.add_request, request)
