@@ -29,7 +29,7 @@ def cli(
     preset: str = typer.Option("dense-32b", "--preset", help="Cost preset (emulated)."),
     workload: str = typer.Option("dapo-16k", "--workload", help="Workload preset (emulated)."),
     time_scale: float = typer.Option(
-        200.0, "--time-scale", help="Emulated seconds per wall-clock second."
+        50.0, "--time-scale", help="Emulated seconds per wall-clock second (keep <= 50)."
     ),
     out: Path | None = typer.Option(None, "--out", help="Directory for JSON + PNG."),
 ) -> None:
