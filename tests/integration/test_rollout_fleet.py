@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from typing import Any
 
 import pytest
 import torch
 
 from dora.bus import ConsumerSpec, NatsBus
+from dora.bus.server import NatsServer
 from dora.engines.torch import EngineConfig, TorchEngine
 from dora.events import (
     MigrationRecord,
@@ -31,6 +33,7 @@ from dora.rollout.generator import GeneratorConfig
 from dora.rollout.learner_standin import LearnerStandin, StandinConfig
 from dora.rollout.orchestrator import OrchestratorConfig
 from dora.rollout.orchestrator_service import OrchestratorServiceConfig
+from dora.subjects import Subjects
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 
@@ -65,9 +68,23 @@ async def scorer(bus: NatsBus) -> None:
         await consumer.close()
 
 
-async def test_dora_mode_invariants(nats_bus: NatsBus) -> None:
+async def test_dora_mode_invariants(nats_server: NatsServer) -> None:
+    """Every run checks every invariant; whether the orchestrator finds a consolidation worth
+    a migration depends on timing, so up to three runs may be needed to see one."""
+    for attempt in range(3):
+        bus = NatsBus(Subjects(f"fleet{attempt}{uuid.uuid4().hex[:8]}"), nats_server.url)
+        await bus.connect()
+        try:
+            if await live_run(bus):
+                return
+        finally:
+            await bus.close()
+    pytest.fail("no successful KV migration in three live dora-mode runs")
+
+
+async def live_run(bus: NatsBus) -> bool:
+    """One live run; asserts the invariants; True when a migration happened and was exact."""
     torch.manual_seed(0)
-    bus = nats_bus
     s = bus.subjects
     audit = await bus.consumer(ConsumerSpec("audit", s.trajectories))
     migrations = await bus.consumer(ConsumerSpec("audit", s.migrations))
@@ -155,7 +172,8 @@ async def test_dora_mode_invariants(nats_bus: NatsBus) -> None:
         for m in await migrations.fetch(batch=256, timeout=0.5)
     ]
     moved = [r for r in records if r.ok]
-    assert moved, f"no successful migration among {records}"
+    if not moved:
+        return False
     traj = trajectories[moved[0].request_id]
     assert len(traj.migrations) >= 1 and traj.reprefilled_tokens == 0
     replay_engine = TorchEngine.from_preset(
@@ -168,3 +186,4 @@ async def test_dora_mode_invariants(nats_bus: NatsBus) -> None:
         replayed.extend(replay_engine.step())
     assert replayed[0].completion_token_ids == traj.completion_token_ids
     assert max(abs(a - b) for a, b in zip(replayed[0].logprobs, traj.logprobs, strict=True)) < 1e-5
+    return True
