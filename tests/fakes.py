@@ -20,7 +20,15 @@ from dora.engines.base import (
     SnapshotError,
     VersionMismatch,
 )
-from dora.events import EngineStatus, Migration, RolloutRequest, RunningRequest, Trajectory
+from dora.events import (
+    EngineStatus,
+    Migration,
+    Prompt,
+    RolloutRequest,
+    RunningRequest,
+    SamplingParams,
+    Trajectory,
+)
 
 
 @dataclass
@@ -186,3 +194,18 @@ class FakeEngine:
             ),
             created_at=time.time(),
         )
+
+
+def fake_request(i: int, version: int = 0, max_tokens: int = 12) -> RolloutRequest:
+    """Request ``r<i>`` of a one-sample group; FakeEngine's tokens are ``(i + t) % 97``."""
+    prompt = Prompt(prompt_id=f"p{i}", text="1+1=", answer="2")
+    return RolloutRequest(
+        event_id=f"req-{i}",
+        request_id=f"r{i}",
+        prompt=prompt,
+        prompt_token_ids=(5, 6, 7),
+        group_id=f"g{i}",
+        group_index=0,
+        sampling=SamplingParams(seed=i, max_tokens=max_tokens),
+        version=version,
+    )

@@ -17,7 +17,6 @@ from dora.events import (
     DeadLetter,
     Drain,
     Migrate,
-    Prompt,
     RolloutRequest,
     SamplingParams,
     Trajectory,
@@ -25,7 +24,7 @@ from dora.events import (
 from dora.rollout.generator import Generator, GeneratorConfig
 from dora.rollout.migrator import Migrator
 from dora.subjects import Subjects
-from tests.fakes import FakeEngine
+from tests.fakes import FakeEngine, fake_request
 
 pytestmark = pytest.mark.nats
 
@@ -34,18 +33,7 @@ async def no_weights(version: int) -> dict[str, Any]:
     return {}
 
 
-def request(i: int, version: int = 0, max_tokens: int = 12) -> RolloutRequest:
-    prompt = Prompt(prompt_id=f"p{i}", text="1+1=", answer="2")
-    return RolloutRequest(
-        event_id=f"req-{i}",
-        request_id=f"r{i}",
-        prompt=prompt,
-        prompt_token_ids=(5, 6, 7),
-        group_id=f"g{i}",
-        group_index=0,
-        sampling=SamplingParams(seed=i, max_tokens=max_tokens),
-        version=version,
-    )
+request = fake_request
 
 
 async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:

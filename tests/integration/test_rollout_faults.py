@@ -50,7 +50,7 @@ from dora.rollout.migrator import Migrator
 from dora.rollout.orchestrator import OrchestratorConfig
 from dora.rollout.orchestrator_service import OrchestratorService, OrchestratorServiceConfig
 from dora.subjects import Subjects
-from tests.fakes import FakeEngine
+from tests.fakes import FakeEngine, fake_request
 
 pytestmark = pytest.mark.nats
 
@@ -280,17 +280,7 @@ async def test_engine_killed_mid_run(
 
 
 def request(i: int, max_tokens: int = 24) -> RolloutRequest:
-    prompt = Prompt(prompt_id=f"p{i}", text="1+1=", answer="2")
-    return RolloutRequest(
-        event_id=f"req-{i}",
-        request_id=f"r{i}",
-        prompt=prompt,
-        prompt_token_ids=(5, 6, 7),
-        group_id=f"g{i}",
-        group_index=0,
-        sampling=SamplingParams(seed=i, max_tokens=max_tokens),
-        version=0,
-    )
+    return fake_request(i, max_tokens=max_tokens)
 
 
 def generator(bus: Bus, engine_id: str, **kw: Any) -> Generator:
