@@ -32,7 +32,7 @@ def _spec(mode: str, seed: int, steps: int, task: str, every: int) -> dict[str, 
             learner.update(
                 max_steps=steps, checkpoint_every=every, keep_checkpoints=steps // every + 2
             )
-            config["eval"] = {"task": task, "prompts": 0}
+            config["eval"] = {**config.get("eval", {}), "task": task, "prompts": 0}
         elif entry["type"] == "prompt_source":
             config["task"] = task
     return spec
@@ -46,7 +46,7 @@ def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return out
 
 
-def _evaluate(model_dir: Path, task: str, prompts: int) -> float:
+def _evaluate(model_dir: Path, task: str, prompts: int, task_config: dict[str, Any]) -> float:
     from dora.models import load_pretrained, load_tokenizer
     from dora.models.evaluate import evaluate_task
     from dora.tasks import make_task
@@ -54,7 +54,7 @@ def _evaluate(model_dir: Path, task: str, prompts: int) -> float:
     scores = evaluate_task(
         load_pretrained(model_dir),
         load_tokenizer(model_dir),
-        make_task(task),
+        make_task(task, **task_config),
         eval_prompts=prompts,
         group_prompts=0,
     )
@@ -100,7 +100,13 @@ def run_task_comparison(
     runs = [_run_one(mode, seed, steps, task, out) for seed in seeds for mode in modes]
     rows = []
     start_dir = _start_model(out, modes[0], seeds[0], task)
-    start_acc = _evaluate(start_dir, task, eval_prompts)
+    source = next(
+        e for e in _spec(modes[0], 0, steps, task, 1)["stages"] if e["type"] == "prompt_source"
+    )
+    task_config = (
+        source["config"].get("task_config", {}) if source["config"]["task"] == task else {}
+    )
+    start_acc = _evaluate(start_dir, task, eval_prompts, task_config)
     for run in runs:
         for step, model_dir in run["checkpoints"]:
             rows.append(
@@ -110,7 +116,9 @@ def run_task_comparison(
                     "step": step,
                     "trajectories": step * run["per_step"],
                     "seconds": round(run["step_time"].get(step, float("nan")), 1),
-                    "eval_accuracy": round(_evaluate(model_dir, task, eval_prompts), 4),
+                    "eval_accuracy": round(
+                        _evaluate(model_dir, task, eval_prompts, task_config), 4
+                    ),
                 }
             )
     print_table(f"dora bench modes --task {task} (warm start accuracy {start_acc:.3f})", rows)
