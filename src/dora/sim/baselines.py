@@ -236,7 +236,20 @@ class StalenessWindow:
             raise AssertionError(f"groups past their staleness deadline: {self.ledger.late()}")
 
 
-class PartialDriver(Driver):
+class StreamingDriver(Driver):
+    """A mode whose learner trains from a ``StalenessWindow`` whenever a batch is ready."""
+
+    window: StalenessWindow
+
+    def try_train(self) -> None:
+        if self.trainer_busy:
+            return
+        batch = self.window.select(self.step)
+        if batch is not None:
+            self.train(batch)
+
+
+class PartialDriver(StreamingDriver):
     """Interrupt everything at each update, reload, resume with re-prefill (AReaL-style)."""
 
     strict_versions = False
@@ -263,13 +276,6 @@ class PartialDriver(Driver):
     def on_group_done(self, group: Group) -> None:
         self.window.finished_group(group)
         self.try_train()
-
-    def try_train(self) -> None:
-        if self.trainer_busy:
-            return
-        batch = self.window.select(self.step)
-        if batch is not None:
-            self.train(batch)
 
     def after_train(self, step: int) -> None:
         fleet = self.fleet

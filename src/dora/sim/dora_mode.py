@@ -25,7 +25,7 @@ from dora.rollout import orchestrator
 from dora.rollout.actions import AssignEngine, DrainEngine, MigrateRequests, PrioritizeRequests
 from dora.rollout.estimates import LengthRecorder
 from dora.rollout.state import ClusterState, EngineView, RequestView
-from dora.sim.baselines import Driver, StalenessWindow
+from dora.sim.baselines import StalenessWindow, StreamingDriver
 from dora.sim.fleet import Group
 
 log = structlog.get_logger(__name__)
@@ -33,7 +33,7 @@ log = structlog.get_logger(__name__)
 BLOCK = 16
 
 
-class DoraDriver(Driver):
+class DoraDriver(StreamingDriver):
     """Streaming multi-version rollout with KV migration (or re-prefill, for the ablation)."""
 
     def __init__(self, cfg: Any, plan_config: Any = None) -> None:
@@ -91,13 +91,6 @@ class DoraDriver(Driver):
             self.lengths.add(req.completion_tokens)
         self.window.finished_group(group)
         self.try_train()
-
-    def try_train(self) -> None:
-        if self.trainer_busy:
-            return
-        batch = self.window.select(self.step)
-        if batch is not None:
-            self.train(batch)
 
     def after_train(self, step: int) -> None:
         self.window.published(step + 1)
