@@ -122,16 +122,8 @@ class LearnerStage(Stage):
             await asyncio.to_thread(self._finish, ctx)
 
     def progress_total(self) -> int | None:
-        return LearnerConfigLike.max_steps(self.config.learner)
+        steps = self.config.learner.get("max_steps")
+        return int(steps) if steps is not None else None
 
     def summary(self) -> dict[str, Any]:
         return dict(getattr(self, "result", {}))
-
-
-class LearnerConfigLike:
-    """Reads ``max_steps`` from the raw learner mapping (for the progress bar)."""
-
-    @staticmethod
-    def max_steps(learner: dict[str, Any]) -> int | None:
-        value = learner.get("max_steps")
-        return int(value) if value is not None else None
