@@ -119,31 +119,6 @@ def run_transformers(directory: Path, work: Workload, batch: int = 64) -> float:
     return time.perf_counter() - start
 
 
-def vllm_note() -> str | None:
-    """None when vLLM imports, else why it is skipped."""
-    try:
-        import vllm  # noqa: F401
-    except Exception as exc:  # not installed, or no GPU build
-        return f"skipped: import vllm failed ({type(exc).__name__})"
-    return None
-
-
-def run_vllm(directory: Path, work: Workload) -> float:
-    """Seconds for vLLM offline generation of the workload (only where vLLM is installed)."""
-    from vllm import LLM
-    from vllm import SamplingParams as VSP
-
-    llm = LLM(model=str(directory), dtype="float32", max_num_seqs=64)
-    params = [
-        VSP(temperature=1.0, max_tokens=n, ignore_eos=True, seed=i)
-        for i, n in enumerate(work.lengths)
-    ]
-    prompts = [{"prompt_token_ids": p} for p in work.prompts]
-    start = time.perf_counter()
-    llm.generate(prompts, params)
-    return time.perf_counter() - start
-
-
 def cli(
     models: str = typer.Option("tiny,small", "--models", help="Comma-separated presets."),
     quick: bool = typer.Option(False, "--quick", help="Small workloads (smoke run)."),
@@ -155,6 +130,7 @@ def cli(
     """Tokens/s of the torch engine vs transformers generate (and vLLM when installed)."""
     import torch
 
+    from dora.bench.engine_vllm import run_vllm, vllm_note
     from dora.bench.report import print_table, save_rows
     from dora.models import build_model, save_pretrained
 
