@@ -46,10 +46,10 @@ from dora.events import (
     Prioritize,
     ReleaseExported,
     RestoreExported,
-    ResumeState,
     RolloutRequest,
     Trajectory,
 )
+from dora.rollout.partial import resumed, retag
 from dora.subjects import Subjects
 
 log = structlog.get_logger(__name__)
@@ -149,6 +149,11 @@ class Generator:
         self.state: str = "idle"
         self.stats = GeneratorStats()
         self._held: dict[str, _Held] = {}
+        self._resumes: list[RolloutRequest] = []
+        """Partial rollout: requests interrupted by an update, re-added first after the load
+        (their leases stay in ``_held``)."""
+        self._backlog: set[int] = set()
+        """Partial rollout: older versions whose queues are served before the assigned one."""
         self._consumers: dict[int, Any] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{config.engine_id}")
         self._stop = asyncio.Event()
@@ -222,17 +227,40 @@ class Generator:
         weights = await self.weights(target)
         if self.assigned != target:
             return  # reassigned again while fetching
+        resumes, self._resumes = self._resumes, []
         try:
-            await self._call(self.engine.load_weights, target, weights)
+            failed = await self._call(self._load_and_resume, target, weights, resumes)
         except VersionMismatch:
             # a pull that was in flight when the assignment changed slipped a request of
             # the old version in: finish it first, load on a later round
+            self._resumes = resumes + self._resumes
             self.state = "serving"
             return
+        for rid, reason in failed:
+            held = self._held.pop(rid, None)
+            if held is not None:
+                await held.lease.nak()  # redelivered on its original queue (the backlog)
+            self._log.warning("resume_failed", request=rid, reason=reason)
         self.stats.weight_loads.append((target, time.time()))
         self.state = "draining" if self.draining else "serving"
         self._room.set()
         self._log.info("weights_loaded", version=target, seconds=time.monotonic() - started)
+
+    def _load_and_resume(
+        self, version: int, weights: Any, resumes: list[RolloutRequest]
+    ) -> list[tuple[str, str]]:
+        """Engine thread: load, then re-add interrupted requests before anything else can be
+        pulled in (one thread job); returns the ones the engine refused."""
+        self.engine.load_weights(version, weights)
+        failed = []
+        for request in resumes:
+            if request.version != version:  # a second update came before this load
+                request = retag(request, version)
+            try:
+                self.engine.add_request(request)
+            except EngineError as exc:
+                failed.append((request.request_id, f"{type(exc).__name__}: {exc}"))
+        return failed
 
     # ------------------------------------------------------------------ pulling
 
@@ -250,6 +278,9 @@ class Generator:
                 await self._room.wait()
                 self._room.clear()
                 continue
+            if self._backlog and await self._pull_backlog(version, room):
+                self._wake.set()
+                continue
             consumer = await self._consumer(version)
             msgs = await consumer.fetch(batch=room, timeout=self.config.fetch_timeout_s)
             for msg in msgs:
@@ -257,18 +288,44 @@ class Generator:
             if msgs:
                 self._wake.set()
 
-    async def _admit(self, msg: Message, version: int) -> None:
+    async def _pull_backlog(self, version: int, room: int) -> bool:
+        """Partial rollout: take requests still queued under older versions first (they were
+        dispatched earlier, or come back from a crashed engine). A version is forgotten once
+        its queue is settled (nothing queued or unacked) and it is two versions old."""
+        for old in sorted(self._backlog):
+            if old >= version:
+                self._backlog.discard(old)
+                continue
+            consumer = await self._consumer(old)
+            state = await consumer.state()
+            if state.depth == 0 and old < version - 1:
+                self._backlog.discard(old)
+            if state.pending == 0:
+                continue
+            msgs = await consumer.fetch(batch=room, timeout=self.config.fetch_timeout_s / 10)
+            for msg in msgs:
+                await self._admit(msg, version, old)
+            if msgs:
+                return True
+        return False
+
+    async def _admit(self, msg: Message, version: int, queue: int | None = None) -> None:
+        """Add a pulled request (from ``version``'s queue, or an older ``queue`` in partial
+        rollout, where it is retagged to ``version``)."""
         try:
             request = RolloutRequest.model_validate_json(msg.data)
-            if request.version != version:
+            if request.version != (version if queue is None else queue):
                 raise EngineError(
-                    f"request tagged v{request.version} arrived on the v{version} queue"
+                    f"request tagged v{request.version} arrived on the "
+                    f"v{version if queue is None else queue} queue"
                 )
             if self.engine.version != version or self.assigned != version:
                 # Reassigned while this fetch was in flight (maybe already loading the new
                 # weights): not a bad request, just no longer ours. Hand it back.
                 await msg.nak()
                 return
+            if queue is not None:
+                request = retag(request, version)
             await self._call(self.engine.add_request, request)
         except (ValidationError, EngineError) as exc:
             await self._dead_letter(msg, f"{type(exc).__name__}: {exc}")
@@ -400,41 +457,23 @@ class Generator:
         if self.engine.version == version:
             self.state = "serving"
         if self.config.mode == "partial" and previous is not None and previous != version:
-            await self._resubmit_partial(version)
+            self._backlog.add(previous)
+            await self._interrupt_partial(version)
         self._log.info("assigned", version=version, previous=previous)
         return ControlReply(ok=True)
 
-    async def _resubmit_partial(self, version: int) -> None:
-        """Partial rollout: abort in-flight work, resubmit it under ``version`` with its tokens.
-
-        The new request re-prefills prompt + generated tokens on whichever engine takes it;
-        per-token versions and re-prefilled counts travel in ``ResumeState``.
-        """
+    async def _interrupt_partial(self, version: int) -> None:
+        """Partial rollout: abort in-flight work; it is re-added first, under ``version`` with
+        its tokens, right after the load (``dora.rollout.partial``). Leases stay held."""
+        loaded = self.engine.version
         for rid, held in list(self._held.items()):
-            part = await self._call(self.engine.abort, rid)
-            old = part.request
-            prior = old.resume or ResumeState()
-            old_version = self.engine.version if self.engine.version is not None else old.version
-            resume = ResumeState(
-                token_ids=part.token_ids,
-                logprobs=part.logprobs,
-                token_versions=(
-                    *prior.token_versions,
-                    *([old_version] * (len(part.token_ids) - len(prior.token_ids))),
-                ),
-                reprefilled_tokens=prior.reprefilled_tokens,
-                engines=part.engines,
-            )
-            new = old.model_copy(
-                update={
-                    "event_id": f"{old.request_id}-v{version}",
-                    "version": version,
-                    "resume": resume,
-                }
-            )
-            await self.bus.publish_event(self.subjects.requests(version), new)
-            await held.lease.ack()
-            del self._held[rid]
+            if held.exported or any(r.request_id == rid for r in self._resumes):
+                continue
+            try:
+                part = await self._call(self.engine.abort, rid)
+            except EngineError:  # finished meanwhile: its trajectory is on its way
+                continue
+            self._resumes.append(resumed(part, loaded, version))
             self.stats.resubmitted += 1
 
     async def _export(self, command: ExportRequest) -> ControlReply:
