@@ -312,3 +312,33 @@ def test_engine_view_from_status_adds_the_service_memory() -> None:
     (r,) = view.requests
     assert (r.priority, r.last_migrated_at, r.generated, r.kv_blocks) == (10, 3.0, 7, 5)
     assert view.assigned_at == 1.0 and view.max_running == 8
+
+
+# ---------------------------------------------------------------------- proportional share
+
+
+def test_queued_versions_get_engines_in_proportion_to_weighted_work() -> None:
+    # K = 3, learner at step 3: version 1 (deadline in 1 step) and version 3 (in 3 steps) both
+    # have 300 queued; version 1 has one puller, version 3 eleven, all busy.
+    engines = [eng("p00", 1, full("p", 1))] + [
+        eng(f"n{i:02d}", 3, full(f"n{i}", 3)) for i in range(11)
+    ]
+    state = cluster(*engines, queues={1: 300, 3: 300}, newest=3, k=3)
+    # shares: v1 (300 + 14) / 2 = 157, v3 (300 + 154) / 4 = 113.5 of 12 pullers -> 6.96 / 5.04
+    moved = assigns(plan(state))
+    assert sorted(moved.values()) == [1] * 5
+    assert all(eid.startswith("n") for eid in moved)
+    assert assigns(plan(state, OrchestratorConfig(rebalance=False))) == {}  # the old behaviour
+
+
+def test_rebalance_respects_cooldown_and_the_newest_last_puller() -> None:
+    engines = [eng("p00", 1, full("p", 1))] + [
+        eng(f"n{i:02d}", 3, full(f"n{i}", 3), assigned_at=995.0) for i in range(5)
+    ]
+    engines.append(eng("n99", 3, full("n99", 3)))
+    state = cluster(*engines, queues={1: 300, 3: 10}, newest=3, k=3)
+    # every v3 engine but one is cooling; the one left is v3's last free-to-move puller
+    moved = assigns(plan(state))
+    assert set(moved) <= {"n99"}
+    pulls_v3 = [e for e in engines if e.assigned_version == 3 and e.engine_id not in moved]
+    assert pulls_v3

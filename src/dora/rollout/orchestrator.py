@@ -15,7 +15,14 @@ The live service, the simulator and the tests call the same function. It decides
 4. **No idle engine.** Free engines (idle, drained, or serving an old version with nothing left
    to pull) go where queued work exceeds the pullers' free slots (largest need first, engines
    already holding the weights first); with no such need, to the newest version.
-5. **Consolidation.** For an old version whose queue is empty, engines with low occupancy are
+5. **Proportional share.** Each version's share of the fleet is proportional to its
+   outstanding requests (queued + running) divided by the learner steps left before its
+   deadline (``steps_left + 1``: the rate it must be served at). A version with queued work
+   and fewer pullers than its share takes engines from queued (or the newest) versions pulling
+   more than theirs (least-loaded first, outside cooldown, never a queue's last puller nor the
+   newest's), when its queue outlasts a weight load. With several versions queued (K >= 2) a
+   newer version otherwise got one engine from rule 1 and starved until engines ran dry.
+6. **Consolidation.** For an old version whose queue is empty, engines with low occupancy are
    evacuated by migrating their requests (with KV) onto the fullest same-version engines that
    have room for the blocks plus their expected growth (first-fit decreasing), when the freed
    engine-time pays for the migration and some queue needs the freed engine; the evacuated
@@ -94,6 +101,8 @@ class OrchestratorConfig:
     """Consolidate even when no queue needs the freed engines (default: do not)."""
     migrate: bool = True
     """Consolidate by KV migration (False: the no-migration ablation)."""
+    rebalance: bool = True
+    """Rule 5 (proportional share); False restores first-come placement only."""
     reassign_busy_to_newest: bool = False
     """Partial-rollout baseline: assign every engine the newest version at once (its running
     requests are resumed under the new weights by the generator, with re-prefill)."""
@@ -243,6 +252,8 @@ class _Planner:
         self.serve_queues()
         self.newest_present()
         self.place_free()
+        if self.config.rebalance:
+            self.rebalance()
         self.prioritize_urgent()
         if self.config.reassign_busy_to_newest:
             self.all_to_newest()
@@ -333,6 +344,62 @@ class _Planner:
                         continue
                     choice, best_need = v, need
             self.assign(e, self.newest if choice is None else choice, "place-free")
+
+    def shares(self) -> dict[int, float]:
+        """Engines each version should pull for: fleet x weighted outstanding work."""
+        work: dict[int, int] = defaultdict(int)
+        for v, d in self.queues.items():
+            work[v] += d
+        for v, engines in self.holders.items():
+            for e in engines:
+                work[v] += len(e.requests) + e.waiting
+        weights = {
+            v: n / (max(0, self.state.steps_left(v)) + 1.0) for v, n in work.items() if n > 0
+        }
+        total = sum(weights.values())
+        if total <= 0:
+            return {}
+        pulling = sum(len(p) for p in self.pullers.values())
+        return {v: pulling * w / total for v, w in weights.items()}
+
+    def rebalance(self) -> None:
+        """Rule 5: move pullers from over-served versions to under-served queued ones."""
+        if not self.queues:
+            return
+        share = self.shares()
+        lengths = self.state.lengths
+        # most under-served first (largest shortfall relative to its share), then oldest
+        order = sorted(self.queues, key=lambda v: (len(self.pullers[v]) - share.get(v, 0.0), v))
+        donors: list[tuple[int, int, str, EngineView]] | None = None
+        for v in order:
+            want = math.floor(share.get(v, 0.0))
+            if len(self.pullers[v]) >= want:
+                continue
+            if v != self.newest and not self.worth_loading(v, lengths.mean):
+                continue
+            if donors is None:  # lazily: most calls have nothing to rebalance
+                # Only engines that pull real work are donors: one pulling an old version with
+                # an empty queue is freed by consolidation or when it runs dry (rule 4).
+                donors = sorted(
+                    (e.running + e.waiting, e.kv_blocks_used, e.engine_id, e)
+                    for x, engines in self.pullers.items()
+                    if x in self.queues or x == self.newest
+                    for e in engines.values()
+                    if e.engine_id not in self.taken and not self.cooling(e)
+                )
+            for _, _, eid, e in donors:
+                if len(self.pullers[v]) >= want or not self.room():
+                    break
+                x = e.pulls
+                if eid in self.taken or x is None or x == v:
+                    continue
+                keep = math.ceil(share.get(x, 0.0))
+                if x in self.queues or x == self.newest:
+                    keep = max(keep, 1)
+                if len(self.pullers[x]) <= keep:
+                    continue
+                self.assign(e, v, "rebalance")
+            donors = [d for d in donors if d[2] not in self.taken]
 
     def worth_loading(self, version: int, mean_length: float) -> bool:
         """An old version's queue must outlast a weight load to justify loading it."""
