@@ -123,10 +123,16 @@ def test_sync_admits_one_batch_per_version_and_waits_for_it() -> None:
 
 def test_one_step_off_generates_the_next_batch_with_the_previous_version() -> None:
     d = make(mode="one_step_off", group_size=1, batch_groups=2, staleness_bound=5)
-    first = [d.admit(prompt(i), []) for i in range(5)]
-    assert [a.version for a in first if a.admitted] == [0, 0, 0, 0]  # batches 0 and 1
+    first = [d.admit(prompt(i), []) for i in range(3)]
+    assert [a.version for a in first if a.admitted] == [0, 0]  # batch 0
+    assert first[-1].reason == "sync-barrier"  # batch 1 waits for batch 0 to be generated
     for a in first[:2]:
         finish_group(d, a.requests)
+    second = [d.admit(prompt(5 + i), []) for i in range(3)]
+    assert [a.version for a in second if a.admitted] == [0, 0]  # batch 1, while step 0 trains
+    for a in second[:2]:
+        finish_group(d, a.requests)
+    assert not d.admit(prompt(9), []).admitted  # batch 2 needs version 1
     d.on_consumed([a.requests[0].group_id for a in first[:2]], learner_step=1)
     d.observe_weights(1)
     nxt = [d.admit(prompt(10 + i), []) for i in range(3)]
