@@ -2,38 +2,200 @@
 
 Kept apart from the bench so the vLLM import (and its quirks) stays in one place; the bench
 calls it only when ``import vllm`` works.
+
+vLLM runs in a child process (``python -m dora.bench.engine_vllm``) because it spawns its own
+engine-core and worker processes, sets process-wide environment (OpenMP binding, torch
+threads) and needs a ``__main__`` guard: the child isolates all of that from the typer CLI and
+from the torch engine measured in the parent. Only ``llm.generate`` is timed (after a warmup),
+so vLLM's ~25-50 s start is not counted, as model loading is not counted for the others.
+
+Settings, chosen to match the torch engine's bench config (``EngineConfig`` defaults):
+fp32, ``max_num_seqs=64``, ``max_num_batched_tokens=2048`` with chunked prefill, prefix
+caching on (both engines have it; the random prompts share no prefix, so it rarely fires),
+``enforce_eager`` (our engine and transformers run eager PyTorch too; torch.compile on two
+shared cores is slow to start), ``skip_tokenizer_init`` (we pass token ids), a KV cache
+sized for the workload (``VLLM_CPU_KVCACHE_SPACE``, GiB) and OpenMP bound to as many cores as
+the parent's torch threads (``VLLM_CPU_OMP_THREADS_BIND``). Environment variables set by the
+caller win over these defaults.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dora.bench.engine import Workload
+
+MAX_NUM_SEQS = 64
+MAX_NUM_BATCHED_TOKENS = 2048
+_LOG_TAIL = 4000
+
+
+class VllmRunError(RuntimeError):
+    """The vLLM child failed, or generated other lengths than requested."""
+
+
+@dataclass(frozen=True)
+class VllmRun:
+    """One timed vLLM generation: seconds of ``generate`` and each request's output length."""
+
+    seconds: float
+    output_lengths: list[int]
+    startup_s: float
 
 
 def vllm_note() -> str | None:
     """None when vLLM imports, else why it is skipped."""
     try:
         import vllm  # noqa: F401
-    except Exception as exc:  # not installed, or no GPU build
+    except Exception as exc:  # not installed, or no usable build
         return f"skipped: import vllm failed ({type(exc).__name__})"
     return None
 
 
 def run_vllm(directory: Path, work: Workload) -> float:
     """Seconds for vLLM offline generation of the workload (only where vLLM is installed)."""
+    run = generate_vllm(directory, work.prompts, work.lengths)
+    return run.seconds
+
+
+def generate_vllm(
+    directory: Path,
+    prompts: list[list[int]],
+    lengths: list[int],
+    threads: int | None = None,
+    timeout_s: float = 3600.0,
+) -> VllmRun:
+    """Generate ``lengths[i]`` tokens after ``prompts[i]`` with vLLM in a child process.
+
+    ``threads`` defaults to the parent's torch threads (the bench sets them), so vLLM gets the
+    same cores as the torch engine. Raises ``VllmRunError`` (with the child's log tail) when
+    the child fails or any request's output length differs from the one requested.
+    """
+    if len(prompts) != len(lengths):
+        raise ValueError(f"prompts ({len(prompts)}) and lengths ({len(lengths)}) differ")
+    if threads is None:
+        import torch
+
+        threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory(prefix="dora-vllm-") as tmp:
+        job = Path(tmp) / "job.json"
+        out = Path(tmp) / "result.json"
+        log = Path(tmp) / "vllm.log"
+        job.write_text(json.dumps({"prompts": prompts, "lengths": lengths}))
+        cmd = [sys.executable, "-m", "dora.bench.engine_vllm", str(directory), str(job), str(out)]
+        env = {**os.environ, **_vllm_env(directory, prompts, lengths, threads)}
+        with log.open("w") as sink:
+            try:
+                proc = subprocess.run(
+                    cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, timeout=timeout_s
+                )
+            except subprocess.TimeoutExpired as exc:
+                raise VllmRunError(f"vLLM child timed out after {timeout_s:.0f} s") from exc
+        if proc.returncode != 0 or not out.is_file():
+            tail = log.read_text(errors="replace")[-_LOG_TAIL:]
+            raise VllmRunError(f"vLLM child exited with {proc.returncode}:\n{tail}")
+        result = json.loads(out.read_text())
+    run = VllmRun(
+        seconds=float(result["seconds"]),
+        output_lengths=[int(n) for n in result["output_lengths"]],
+        startup_s=float(result["startup_s"]),
+    )
+    wrong = [i for i, (g, n) in enumerate(zip(run.output_lengths, lengths, strict=True)) if g != n]
+    if wrong:
+        i = wrong[0]
+        raise VllmRunError(
+            f"vLLM generated {run.output_lengths[i]} tokens for request {i}, "
+            f"{lengths[i]} requested ({len(wrong)} requests wrong)"
+        )
+    return run
+
+
+def _max_model_len(prompts: list[list[int]], lengths: list[int]) -> int:
+    longest = max((len(p) + n for p, n in zip(prompts, lengths, strict=True)), default=1)
+    return -(-longest // 16) * 16  # round up to a block of 16
+
+
+def _vllm_env(
+    directory: Path, prompts: list[list[int]], lengths: list[int], threads: int
+) -> dict[str, str]:
+    """vLLM CPU settings for the child; variables already set by the caller are kept."""
+    config = json.loads((Path(directory) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 4  # K and V, fp32
+    need = per_token * MAX_NUM_SEQS * _max_model_len(prompts, lengths) * 1.25
+    cpus = sorted(os.sched_getaffinity(0))[: max(1, threads)]
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(need / 2**30))),
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cpus),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    return {k: v for k, v in env.items() if k not in os.environ}
+
+
+def _child(directory: Path, job: Path, out: Path) -> None:
+    """Body of the child process: start vLLM, warm up, time ``generate``, write the result."""
     from vllm import LLM
     from vllm import SamplingParams as VSP
 
-    llm = LLM(model=str(directory), dtype="float32", max_num_seqs=64)
-    params = [
-        VSP(temperature=1.0, max_tokens=n, ignore_eos=True, seed=i)
-        for i, n in enumerate(work.lengths)
-    ]
-    prompts = [{"prompt_token_ids": p} for p in work.prompts]
+    spec: dict[str, Any] = json.loads(job.read_text())
+    prompts: list[list[int]] = spec["prompts"]
+    lengths: list[int] = spec["lengths"]
     start = time.perf_counter()
-    llm.generate(prompts, params)
-    return time.perf_counter() - start
+    llm = LLM(
+        model=str(directory),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=_max_model_len(prompts, lengths),
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        seed=0,
+    )
+    startup = time.perf_counter() - start
+
+    def params(i: int, n: int) -> VSP:
+        return VSP(temperature=1.0, top_p=1.0, top_k=0, max_tokens=n, ignore_eos=True, seed=i)
+
+    warm = [{"prompt_token_ids": [7] * 8} for _ in range(4)]
+    llm.generate(warm, [params(i, 4) for i in range(4)], use_tqdm=False)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    sampling = [params(i, n) for i, n in enumerate(lengths)]
+    start = time.perf_counter()
+    outputs = llm.generate(requests, sampling, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    result = {
+        "seconds": seconds,
+        "startup_s": startup,
+        "output_lengths": [len(o.outputs[0].token_ids) for o in outputs],
+    }
+    out.write_text(json.dumps(result))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m dora.bench.engine_vllm DIRECTORY JOB.json RESULT.json`` (used by the bench)."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("directory", type=Path, help="HF checkpoint directory")
+    parser.add_argument("job", type=Path, help='JSON {"prompts": [[ids]], "lengths": [n]}')
+    parser.add_argument("out", type=Path, help="where the timing JSON is written")
+    args = parser.parse_args(argv)
+    _child(args.directory, args.job, args.out)
+
+
+if __name__ == "__main__":
+    main()
