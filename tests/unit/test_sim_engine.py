@@ -92,3 +92,22 @@ def test_abort_returns_partial_output() -> None:
     out = e.abort("r1")
     assert len(out.token_ids) > 0 and not e.has_work()
     assert e.status().running == 0
+
+
+def test_resumed_request_reports_which_version_made_each_token() -> None:
+    from dora.rollout.partial import RESUME_PRIORITY, resumed
+
+    e = _engine()
+    e.load_weights(0)
+    e.add_request(_request(1))
+    e.core.advance_to(e.core.clock + 1.0)
+    part = e.abort("r1")
+    done = len(part.token_ids)
+    again = resumed(part, loaded=0, version=1)
+    assert again.version == 1 and again.priority == RESUME_PRIORITY
+    e.load_weights(1)
+    e.add_request(again)
+    (t,) = _drain(e).values()
+    n = len(t.completion_token_ids)
+    assert t.token_versions == (0,) * done + (1,) * (n - done)
+    assert t.reprefilled_tokens >= done

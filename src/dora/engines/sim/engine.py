@@ -325,6 +325,12 @@ class SimEngine:
                 turns.append(Turn(role="tool", start=pos, end=pos + tool, name="tool"))
                 pos += tool
         hit_max = req.spec.decode_tokens >= request.sampling.max_tokens
+        versions: tuple[int, ...] = ()
+        resume = request.resume
+        if resume is not None and resume.token_ids:  # partial rollout: which weights made each
+            done = len(resume.token_ids)
+            prior = resume.token_versions or (request.version,) * done
+            versions = (*prior, *([req.version] * (len(tokens) - done)))
         started = self._wall(req.started_at)
         finished = self._wall(req.finished_at)
         return Trajectory(
@@ -336,6 +342,7 @@ class SimEngine:
             logprobs=(-1.0,) * len(tokens),
             loss_mask=tuple(mask),
             turns=tuple(turns) if len(turns) > 1 else (),
+            token_versions=versions,
             finish_reason="length" if hit_max else "stop",
             engines=engines,
             migrations=tuple(migrations),
