@@ -80,3 +80,18 @@ def test_bad_config_names_the_field() -> None:
         SimConfig(mode="async")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="engines"):
         SimConfig(engines=0)
+
+
+def test_new_requests_are_spread_over_engines_with_room() -> None:
+    """Like NATS pull delivery: 16 requests on 8 idle engines give 2 each, not 16 on one."""
+    from dora.sim.fleet import Fleet
+
+    fleet = Fleet(replace(SMALL, engines=8, group_size=8, mode="sync"))
+    for e, core in enumerate(fleet.cores):
+        core.version = 0
+        fleet.hungry[0].add(e)
+    fleet.dispatch_group(0)
+    fleet.dispatch_group(0)
+    fleet.feed(0)
+    assert [c.num_requests() for c in fleet.cores] == [2] * 8
+    assert not fleet.queues[0]

@@ -139,12 +139,30 @@ class Fleet:
             self.hungry[key].add(e)
 
     def feed(self, key: int) -> None:
-        """New requests on queue ``key``: wake the engines that had room."""
-        for e in list(self.hungry[key]):
-            if not self.queues[key]:
-                break
+        """New requests on queue ``key``: spread them over the engines that had room, one at a
+        time to the least-loaded (as NATS pull delivery and a DP router do: every engine with
+        room fetches). Filling one engine to ``max_seqs`` before the next would leave engines
+        idle whenever a batch is smaller than the fleet's slots (sync at 1,024 engines)."""
+        q = self.queues[key]
+        hungry = self.hungry[key]
+        if not q or not hungry:
+            return
+        touched: list[int] = []
+        heap = []
+        for e in sorted(hungry):
             self.touch(e)
-            self.fill(e, key)
+            touched.append(e)
+            heap.append((self.cores[e].num_requests(), e))
+        heapq.heapify(heap)
+        while q and heap:
+            load, e = heapq.heappop(heap)
+            core = self.cores[e]
+            if core.can_accept(q[0].prefill or q[0].spec.prompt_len):
+                core.add(q.popleft())
+                heapq.heappush(heap, (load + 1, e))
+            else:
+                hungry.discard(e)
+        for e in touched:
             self.schedule(e)
 
     # ------------------------------------------------------------------ time
