@@ -59,3 +59,19 @@ def test_unknown_preset_names_the_field() -> None:
     with pytest.raises(ValueError, match="preset"):
         cost_preset("dense-1t")
     assert cost_preset("dense-7b") is DENSE_7B
+
+
+def test_prefill_rate_and_partial_rollout_reprefill_volume() -> None:
+    """32B prefill on one H200 is compute-bound: 2 * 32.5e9 FLOP/token at 50% of 989 TFLOP/s
+    is ~7.6k tokens/s (the 5-15k range of published vLLM prefill rates); re-prefilling a
+    KV-full engine after a partial-rollout update (~51 requests of the workload's mean 4.3k
+    context) costs ~30 s of that engine's time, plus the weight load."""
+    c = DENSE_32B
+    rate = 1.0 / c.prefill_time(1)
+    assert rate == pytest.approx(989.4e12 * 0.5 / (2 * 32.5e9), rel=1e-3)  # + attention
+    assert 5_000 < rate < 15_000
+    n = c.kv_capacity_tokens // 4325
+    assert 45 <= n <= 55
+    stall = n * c.prefill_time(4325)
+    assert 25.0 < stall < 35.0  # seconds per engine per update
+    assert c.weight_load_time == pytest.approx(3.6)
