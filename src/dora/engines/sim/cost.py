@@ -193,6 +193,13 @@ of 7k tokens), a = 20 ms: one request decodes at ~45-50 tokens/s; a KV-full batc
 ~0.7-1k tokens/s. Cross-check: gpustack's performance lab (Qwen3-32B, a model of the same
 shape, vLLM on H100 at 3.35 TB/s) reports mean TPOT 43-88 ms per token at high concurrency,
 consistent with this model's 35-60 ms per step at KV-full batches on the faster H200.
+
+Prefill is compute-bound: 2 * 32.5e9 FLOP/token at 50% of 989 TFLOP/s is ~7.6k tokens/s (plus
+the attention term, ~7% at a 6k context), inside the 5-15k tokens/s that vLLM chunked prefill
+reaches for 30B-class dense models on one H100/H200. So a partial-rollout update, which makes
+an engine re-prefill every in-flight context (KV-full: ~51 requests of ~4.3k tokens, 220k
+tokens), stalls it ~30 s plus the 3.6 s weight load; with steps of 7-12 minutes at 64-128
+engines that is 3-6% of a step, which is why partial rollout stays close to dora here.
 """
 
 PRESETS: dict[str, CostModel] = {m.name: m for m in (DENSE_7B, DENSE_32B)}
