@@ -216,7 +216,7 @@ class Generator:
 
     async def _maybe_load_weights(self) -> None:
         target = self.assigned
-        if target is None or self.engine.version == target:
+        if target is None or (self.engine.version == target and not self._resumes):
             if target is not None and self.state in ("idle", "loading"):
                 self.state = "draining" if self.draining else "serving"
             return
