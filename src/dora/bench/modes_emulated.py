@@ -17,16 +17,15 @@ times as many emulated ones.
 Limits (what the emulation does not capture, or inflates):
 
 - bus and Python overheads are scaled up by ``time_scale``: dispatching a group (~20-70 ms of
-  wall time here), scoring, control round trips, a migration's export/import; partial
-  rollout's resubmission of every in-flight request with its tokens at each update is the
-  largest (tens of MB of JSON per step), so ``partial`` is the mode most slowed down;
+  wall time here), scoring, control round trips, a migration's export/import (partial
+  rollout resumes interrupted requests on their own engine, no bus traffic);
 - the scored events reaching the learner stand-in carry one token, not the whole sample
   (the scorer records the counts first), and the stand-in trains on nothing;
 - a migration's KV transfer is not charged to the request (the import is instant on the
   engine's clock), only the protocol's wall-clock round trips are;
-- request placement follows NATS pull delivery (spread over every engine with room), while
-  the simulator fills one engine to ``max_seqs`` before the next: with few samples per
-  engine the two use engine-time differently (utilization differs), not rollout time;
+- request placement follows NATS pull delivery (whichever engine fetches first, up to its
+  room), the simulator spreads a new batch least-loaded first: close, not identical, so
+  per-engine utilization differs more than rollout time does;
 - run-to-run noise from other load on the machine: the event loop's lag is reported
   (``loop-lag-p99-ms``); compare ratios within one run, and repeat seeds.
 """
