@@ -53,6 +53,21 @@ def test_arithmetic_format() -> None:
     assert prompt.answer == str(sum(terms))
 
 
+def test_arithmetic_rewrite_scratchpad_carries_the_remaining_sum() -> None:
+    task = make_task("arithmetic", seed=0, min_terms=4, max_terms=4, scratchpad="rewrite")
+    prompt = task.prompt("train", 0)
+    a, b, c, d = (int(t) for t in prompt.metadata["terms"].split("+"))  # type: ignore[union-attr]
+    lines = task.solve(prompt).split("\n")
+    assert lines == [
+        f"{a}+{b}={a + b}+{c}+{d}",
+        f"{a + b}+{c}={a + b + c}+{d}",
+        f"{a + b + c}+{d}={a + b + c + d}",
+        f"answer: {a + b + c + d}",
+    ]
+    verifier = make_verifier("exact_match")
+    assert all(verifier.verify(task.solve(p), p).correct for p in task.prompts("train", 50))
+
+
 def test_arithmetic_lengths_are_long_tailed() -> None:
     task = make_task("arithmetic", seed=0)
     tok = CharTokenizer.build()

@@ -74,20 +74,30 @@ def evaluate_task(
     group_prompts: int = 16,
     group_size: int = 8,
     seed: int = 0,
+    samples: int = 0,
 ) -> dict[str, Any]:
-    """Greedy accuracy (overall and by problem size) and group-of-``group_size`` statistics."""
+    """Greedy accuracy (overall and by problem size), group-of-``group_size`` statistics and,
+    with ``samples`` > 0, the mean accuracy of that many temperature-1 samples per prompt
+    (avg@k: what the policy does when it samples, as in RL papers' avg@32)."""
     result: dict[str, Any] = {}
     prompts = list(task.prompts("eval", eval_prompts))
     if prompts:
-        correct = _score(task, prompts, complete(model, tokenizer, task, prompts))
+        texts = complete(model, tokenizer, task, prompts)
+        correct = _score(task, prompts, texts)
         result["accuracy"] = float(np.mean(correct))
         result["n"] = len(prompts)
+        result["mean_length"] = float(np.mean([len(tokenizer.encode(t)) for t in texts]))
         sizes = [len(tokenizer.encode(task.solve(p))) for p in prompts]
         edges = [0, 32, 64, 128, 256, 10**9]
         for lo, hi in itertools.pairwise(edges):
             picked = [c for c, s in zip(correct, sizes, strict=True) if lo <= s < hi]
             if picked:
                 result[f"accuracy_len_{lo}_{hi if hi < 10**9 else 'inf'}"] = float(np.mean(picked))
+    if prompts and samples:
+        repeated = [p for p in prompts for _ in range(samples)]
+        texts = complete(model, tokenizer, task, repeated, temperature=1.0, seed=seed + 2)
+        result["sampled_accuracy"] = float(np.mean(_score(task, repeated, texts)))
+        result["sampled_mean_length"] = float(np.mean([len(tokenizer.encode(t)) for t in texts]))
     if group_prompts:
         base = list(task.prompts("eval", group_prompts))
         repeated = [p for p in base for _ in range(group_size)]

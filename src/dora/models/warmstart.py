@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import shutil
 import time
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
+from dora.events import Prompt
 from dora.models.checkpoint import build_model, save_pretrained
 from dora.models.evaluate import evaluate_task
 from dora.models.llama import LlamaModel
@@ -54,6 +56,12 @@ class WarmstartConfig(BaseModel):
     min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
     warmup_steps: int = Field(default=15, ge=0)
     weight_decay: float = Field(default=0.01, ge=0.0)
+    shortcut_fraction: float = Field(
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Share of demonstrations that give only the answer line, no scratchpad.",
+    )
     seed: int = 0
     eval_prompts: int = Field(default=128, ge=0)
     group_prompts: int = Field(default=16, ge=0, description="Prompts for the group-of-8 check.")
@@ -82,8 +90,25 @@ def encode_example(tokenizer: CharTokenizer, prompt: str, completion: str) -> tu
     return head + tokenizer.encode(completion, add_eos=True), len(head)
 
 
+def demonstration(task: Task, prompt: Prompt, shortcut_fraction: float, seed: int) -> str:
+    """The reference solution, or with probability ``shortcut_fraction`` only its last line.
+
+    A teacher that sometimes answers without showing its work gives a policy that holds both
+    behaviours: the shortcut is right on easy problems and mostly wrong on long ones, so RL
+    has a behaviour worth selecting (reasoning) — the situation of a real base model.
+    """
+    full = task.solve(prompt)
+    draw = random.Random(f"{seed}:{prompt.prompt_id}").random()
+    return full.rsplit("\n", 1)[-1] if draw < shortcut_fraction else full
+
+
 def packed_batches(
-    task: Task, tokenizer: CharTokenizer, rows: int, row_tokens: int
+    task: Task,
+    tokenizer: CharTokenizer,
+    rows: int,
+    row_tokens: int,
+    shortcut_fraction: float = 0.0,
+    seed: int = 0,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Endless ``(ids, segment_ids, loss_mask)`` batches of ``rows x row_tokens`` tokens.
 
@@ -102,7 +127,8 @@ def packed_batches(
                 if pending is None:
                     p = task.prompt("train", index)
                     index += 1
-                    seq, start = encode_example(tokenizer, p.text, task.solve(p))
+                    text = demonstration(task, p, shortcut_fraction, seed)
+                    seq, start = encode_example(tokenizer, p.text, text)
                     pending = (seq[:row_tokens], start)
                 seq, start = pending
                 if used + len(seq) > row_tokens:
@@ -152,7 +178,9 @@ def train(
         betas=(0.9, 0.98),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(config))
-    batches = packed_batches(task, tokenizer, rows, config.row_tokens)
+    batches = packed_batches(
+        task, tokenizer, rows, config.row_tokens, config.shortcut_fraction, config.seed
+    )
     model.train()
     losses: list[float] = []
     tokens = 0

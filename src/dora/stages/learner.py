@@ -27,6 +27,9 @@ class EvalConfig(BaseModel):
     task: str = "arithmetic"
     task_config: dict[str, Any] = Field(default_factory=dict)
     prompts: int = Field(default=128, ge=0, description="Held-out prompts (0: no evaluation).")
+    samples: int = Field(
+        default=4, ge=0, description="Temperature-1 samples per prompt for avg@k (0: greedy only)."
+    )
 
 
 class LearnerStageConfig(BaseModel):
@@ -104,10 +107,21 @@ class LearnerStage(Stage):
             for name, directory in (("start", self.model_dir), ("final", final)):
                 model = load_pretrained(directory)
                 scores = evaluate_task(
-                    model, self.tokenizer, task, eval_prompts=cfg.eval.prompts, group_prompts=0
+                    model,
+                    self.tokenizer,
+                    task,
+                    eval_prompts=cfg.eval.prompts,
+                    group_prompts=0,
+                    samples=cfg.eval.samples,
                 )
-                result[f"{name}_accuracy"] = scores.get("accuracy", 0.0)
+                for key in ("accuracy", "sampled_accuracy", "mean_length", "sampled_mean_length"):
+                    if key in scores:
+                        result[f"{name}_{key}"] = scores[key]
             result["gain"] = result["final_accuracy"] - result["start_accuracy"]
+            if cfg.eval.samples:
+                result["sampled_gain"] = (
+                    result["final_sampled_accuracy"] - result["start_sampled_accuracy"]
+                )
         (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
         ctx.log.info("evaluated", **{k: round(v, 4) for k, v in result.items()})
         self.result = result

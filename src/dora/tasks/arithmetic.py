@@ -7,7 +7,7 @@ makes synchronous rollout wait on stragglers. The format is strictly regular so 
 parameter character model can learn it; per-step errors compound with length, so longer
 problems are harder and the RL signal is dense (some samples right, some wrong).
 
-Example (prompt, then completion)::
+Example (prompt, then completion), ``scratchpad: running`` (the default)::
 
     Q: 3+5+9+2
     A:
@@ -15,12 +15,18 @@ Example (prompt, then completion)::
     8+9=17
     17+2=19
     answer: 19
+
+``scratchpad: rewrite`` instead rewrites the whole remaining sum on each line (``3+5=8+9+2``,
+``8+9=17+2``, ``17+2=19``): the two numbers to add are always the first two after the last
+``=``, so a small model need not count terms to find the next one; it learns in a fraction of
+the steps, and lengths grow quadratically with the term count (a longer tail).
 """
 
 from __future__ import annotations
 
 import itertools
 import re
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -41,6 +47,7 @@ class ArithmeticConfig(TaskConfig):
     min_value: int = Field(default=1, ge=0)
     max_value: int = Field(default=9, ge=1, le=10**9)
     eval_percent: int = Field(default=10, ge=1, le=50, description="Share of problems in eval.")
+    scratchpad: Literal["running", "rewrite"] = "running"
 
     @model_validator(mode="after")
     def _ranges(self) -> ArithmeticConfig:
@@ -56,13 +63,14 @@ def format_problem(terms: list[int]) -> str:
     return f"Q: {'+'.join(map(str, terms))}\nA:\n"
 
 
-def scratchpad(terms: list[int]) -> str:
-    """The reference completion: one running-sum line per addition, then the answer line."""
+def scratchpad(terms: list[int], style: str = "running") -> str:
+    """The reference completion: one line per addition, then the answer line."""
     lines = []
     total = terms[0]
-    for t in terms[1:]:
+    for i, t in enumerate(terms[1:], start=2):
         new = total + t
-        lines.append(f"{total}+{t}={new}")
+        rest = "".join(f"+{x}" for x in terms[i:]) if style == "rewrite" else ""
+        lines.append(f"{total}+{t}={new}{rest}")
         total = new
     lines.append(f"answer: {total}")
     return "\n".join(lines)
@@ -119,4 +127,4 @@ class ArithmeticTask(BaseTask):
 
     def solve(self, prompt: Prompt) -> str:
         """The reference scratchpad completion (without the end-of-sequence token)."""
-        return scratchpad(parse_terms(prompt))
+        return scratchpad(parse_terms(prompt), self.config.scratchpad)
