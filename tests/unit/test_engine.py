@@ -97,9 +97,28 @@ def test_prefix_caching_shares_blocks() -> None:
     assert len(shared) >= 6
     assert all(engine.blocks.ref_count[blk] == 2 for blk in shared)
     assert second < first - 6 * 16 + 2  # b computed only its uncached tail (+ a's decode)
+    assert engine.counters.cached_tokens == len(shared) * 16  # b admitted with them
     out = run_all(engine)
     assert out["a"].completion_token_ids == out["b"].completion_token_ids
     assert engine.blocks.num_used == 0
+
+
+def test_cached_tokens_counts_prefix_cache_hits_once() -> None:
+    """Only tokens admitted with cached KV count, and each admission counts once."""
+    engine = make_engine(block_size=16)
+    text = "A long shared prompt of a GRPO group: " * 3  # 115 tokens with BOS: 7 full blocks
+    run_all_one(engine, make_request("a", text, max_tokens=4))
+    assert engine.counters.cached_tokens == 0  # nothing was cached before a
+    run_all_one(engine, make_request("b", text, max_tokens=4))
+    assert engine.counters.cached_tokens == 7 * 16
+    prefill_b = engine.counters.prefill_tokens
+    run_all_one(engine, make_request("c", text[:40], max_tokens=4))  # 41 tokens: 2 full blocks
+    assert engine.counters.cached_tokens == 7 * 16 + 2 * 16
+    assert engine.counters.prefill_tokens - prefill_b == 41 - 2 * 16
+    off = make_engine(block_size=16, enable_prefix_caching=False)
+    for rid in ("a", "b"):
+        run_all_one(off, make_request(rid, text, max_tokens=4))
+    assert off.counters.cached_tokens == 0
 
 
 def test_preemption_with_tiny_pool_finishes_identically() -> None:

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from dora.engines.torch.sampler import sample, uniform
+from dora.engines.torch.sampler import sample, uniform, uniforms
 from dora.events import SamplingParams
 
 
@@ -16,6 +16,13 @@ def test_uniform_depends_only_on_seed_and_position() -> None:
     assert len(values) == 1000 and all(0.0 <= v < 1.0 for v in values)
     assert abs(sum(values) / 1000 - 0.5) < 0.05
     assert uniform(7, 3) != uniform(8, 3)
+
+
+def test_batched_uniforms_equal_the_scalar_draws() -> None:
+    seeds = [0, 1, 7, 2**63 + 5, 2**64 - 1, -3, 123456789]
+    positions = [0, 5, 3, 2**40, 1, 7, 2**64 - 1]
+    got = uniforms(seeds, positions)
+    assert got.tolist() == [uniform(s, t) for s, t in zip(seeds, positions, strict=True)]
 
 
 def test_greedy_returns_raw_softmax_logprob() -> None:

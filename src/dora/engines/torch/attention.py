@@ -2,9 +2,11 @@
 
 Per layer it writes the step's new k/v into their slots, then attends:
 
-- decode tokens (one query per sequence) in buckets of similar context length: one batched
-  gather of each bucket's KV by block ids and ONE ``scaled_dot_product_attention`` call with a
-  padding mask; grouped-query heads ride along as extra query rows, so nothing is copied;
+- decode tokens (one query per sequence): with the compiled CPU kernel (``paged_kernel``),
+  ONE call reads every sequence's K/V rows straight from its blocks (no copy, no padding);
+  otherwise in buckets of similar context length: one batched gather of each bucket's KV by
+  block ids and ONE ``scaled_dot_product_attention`` call with a padding mask (grouped-query
+  heads ride along as extra query rows);
 - prefill chunks one sequence at a time, causal with the chunk's offset into its context.
 """
 
@@ -16,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dora.engines.torch.paged_kernel import DecodeAttention
+
 
 @dataclass
 class DecodeBucket:
@@ -26,6 +30,15 @@ class DecodeBucket:
     blocks: Tensor  # [size * max_blocks] block ids, row-major (padding: block 0, masked out)
     max_ctx: int  # longest context in the bucket
     mask: Tensor | None  # [size, 1, 1, max_ctx] True = attend; None when all lengths are equal
+
+
+@dataclass
+class KernelDecode:
+    """Decode tokens ``[0, size)`` of the flat batch, attended by the compiled kernel."""
+
+    size: int
+    table: Tensor  # [size, max_blocks] int32 block ids (padding never read)
+    lens: Tensor  # [size] int32 context lengths, the new token included
 
 
 @dataclass
@@ -44,6 +57,7 @@ class AttentionMetadata:
     """Where this step's tokens go in the KV tensor and what each one attends to."""
 
     slot_mapping: Tensor  # [N]
+    kernel_decode: KernelDecode | None = None
     decode: list[DecodeBucket] = field(default_factory=list)
     prefill: list[PrefillChunk] = field(default_factory=list)
 
@@ -51,10 +65,13 @@ class AttentionMetadata:
 class PagedAttention:
     """Callable ``(layer, q, k, v) -> out`` bound to one KV tensor and one step's metadata."""
 
-    def __init__(self, kv_cache: Tensor, block_size: int) -> None:
+    def __init__(
+        self, kv_cache: Tensor, block_size: int, kernel: DecodeAttention | None = None
+    ) -> None:
         # kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = kv_cache
         self.block_size = block_size
+        self.kernel = kernel
         self.meta: AttentionMetadata | None = None
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -69,6 +86,13 @@ class PagedAttention:
         out = torch.empty_like(q)
         num_heads = q.shape[-2]
         groups = num_heads // num_kv_heads
+        kd = meta.kernel_decode
+        if kd is not None and self.kernel is not None:
+            qd = q[: kd.size].contiguous()
+            od = self.kernel(qd, k_blocks, v_blocks, kd.table, kd.lens, head_dim**-0.5)
+            if kd.size == q.shape[0]:
+                return od  # a pure decode step: nothing else to attend
+            out[: kd.size] = od
         for b in meta.decode:
             qb = q[b.start : b.start + b.size]  # [B, H, D]
             qb = qb.view(b.size, num_kv_heads, groups, head_dim)

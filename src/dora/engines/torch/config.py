@@ -24,6 +24,8 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None  # None: the model's dtype
     decode_bucket_waste: float = 0.5  # extra padded KV allowed per decode attention bucket
+    # decode attention in the compiled CPU paged kernel (fp32) when it builds; else torch
+    paged_kernel: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):

@@ -49,7 +49,9 @@ class EngineCounters:
     prefill_tokens: int = 0  # tokens computed as prefill (prompt, resume, re-prefill)
     decode_tokens: int = 0  # tokens computed as decode (the last sampled token)
     reprefilled_tokens: int = 0  # of the prefill tokens, those computed before (honest count)
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # context tokens (prompt, or a preempted request's context) whose KV came from the prefix
+    # cache at admission instead of being computed
+    cached_tokens: int = 0
     generated_tokens: int = 0  # tokens sampled
     preemptions: int = 0
     steps: int = 0
@@ -91,6 +93,7 @@ class TorchEngine:
             device,
             dtype,
             self.config.decode_bucket_waste,
+            self.config.paged_kernel,
         )
         self.counters = EngineCounters()
         self._version = version
@@ -220,6 +223,7 @@ class TorchEngine:
         """Schedule, run one forward, sample, and return the trajectories that finished."""
         batch = self.scheduler.schedule()
         self.counters.preemptions = self.scheduler.preemptions
+        self.counters.cached_tokens = self.scheduler.cached_tokens
         if not batch:
             return []
         t0 = time.time()

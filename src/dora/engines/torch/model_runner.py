@@ -12,9 +12,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dora.engines.torch import paged_kernel
 from dora.engines.torch.attention import (
     AttentionMetadata,
     DecodeBucket,
+    KernelDecode,
     PagedAttention,
     PrefillChunk,
 )
@@ -46,6 +48,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         bucket_waste: float = 0.5,
+        use_kernel: bool = True,
     ) -> None:
         self.model = model
         cfg = model.config
@@ -63,7 +66,18 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
-        self.attn = PagedAttention(self.kv_cache, block_size)
+        kernel = None
+        if use_kernel and device.type == "cpu" and dtype == torch.float32:
+            kernel = paged_kernel.load()
+        self.attn = PagedAttention(self.kv_cache, block_size, kernel)
+        # the decode block table is rebuilt only when some sequence's table changed
+        self._table_key: tuple[tuple[int, int], ...] = ()
+        self._table: Tensor | None = None
+
+    @property
+    def uses_kernel(self) -> bool:
+        """True when decode attention runs in the compiled paged kernel."""
+        return self.attn.kernel is not None
 
     # ------------------------------------------------------------------ KV transfer
 
@@ -100,10 +114,13 @@ class ModelRunner:
         meta_decode: list[DecodeBucket] = []
         meta_prefill: list[PrefillChunk] = []
         decode = [s for s in batch if s.num_tokens == 1 and s.seq.num_computed > 0]
-        decode.sort(key=lambda s: s.seq.num_computed)
+        if not self.uses_kernel:
+            decode.sort(key=lambda s: s.seq.num_computed)
         order: list[Sequence] = [s.seq for s in decode]
         decode_set = {id(s) for s in decode}
         rest = [s for s in batch if id(s) not in decode_set]
+        if rest:
+            self._table_key = ()  # tables may have been replaced: rebuild the decode table
         for s in decode:
             seq = s.seq
             p = seq.num_computed
@@ -111,7 +128,11 @@ class ModelRunner:
             ids.append(seq.token_ids[p])
             pos.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
-        meta_decode = self._buckets(decode)
+        kernel_decode = None
+        if self.uses_kernel and decode:
+            kernel_decode = self._kernel_decode(decode)
+        else:
+            meta_decode = self._buckets(decode)
         for s in rest:
             seq = s.seq
             c, n = seq.num_computed, s.num_tokens
@@ -133,6 +154,7 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            kernel_decode=kernel_decode,
             decode=meta_decode,
             prefill=meta_prefill,
         )
@@ -143,6 +165,27 @@ class ModelRunner:
             meta,
             order,
         )
+
+    def _kernel_decode(self, decode: list[ScheduledSeq]) -> KernelDecode:
+        """Block table and context lengths of the decode sequences for the compiled kernel.
+
+        Between decode steps a running sequence's table only grows, so the tensor is cached
+        on (sequence serial, blocks in use) and reused by most steps; any step with a prefill
+        (admission, re-prefill after preemption) drops the cache, as does a new sequence.
+        """
+        bs = self.block_size
+        lens = [s.seq.num_computed + 1 for s in decode]
+        used = [-(-n // bs) for n in lens]
+        key = tuple((s.seq.arrival, u) for s, u in zip(decode, used, strict=True))
+        if key != self._table_key or self._table is None:
+            width = max(used)
+            rows = [
+                s.seq.block_table[:u] + [0] * (width - u) for s, u in zip(decode, used, strict=True)
+            ]
+            self._table = torch.tensor(rows, dtype=torch.int32, device=self.device)
+            self._table_key = key
+        ctx = torch.tensor(lens, dtype=torch.int32, device=self.device)
+        return KernelDecode(len(decode), self._table, ctx)
 
     def _buckets(self, decode: list[ScheduledSeq]) -> list[DecodeBucket]:
         """Group consecutive decode sequences (sorted by context) so padding stays bounded."""

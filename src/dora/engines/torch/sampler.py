@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -34,6 +35,23 @@ def uniform(seed: int, t: int) -> float:
     """The uniform in [0, 1) used for token ``t`` of a request seeded with ``seed``."""
     h = splitmix64(splitmix64(seed & _MASK64) ^ (t & _MASK64))
     return (h >> 11) * (1.0 / (1 << 53))
+
+
+def _splitmix64_np(x: np.ndarray) -> np.ndarray:
+    """``splitmix64`` on a uint64 array (numpy wraps modulo 2**64 like the masks above)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def uniforms(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    """``uniform(seed, t)`` for a whole batch at once (float64, bit-identical to the scalar)."""
+    s = np.array([x & _MASK64 for x in seeds], dtype=np.uint64)
+    t = np.array([x & _MASK64 for x in positions], dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        h = _splitmix64_np(_splitmix64_np(s) ^ t)
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
 def sample(
@@ -61,23 +79,27 @@ def sample(
         scaled = logits[sampled] / temp[:, None]
         sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
         vocab = scaled.shape[-1]
-        ranks = torch.arange(vocab, device=logits.device)[None, :]
-        top_k = torch.tensor(
-            [p.top_k if 0 < p.top_k < vocab else vocab for p in ps], device=logits.device
-        )
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+        dev = logits.device
+        ranks = torch.arange(vocab, device=dev)[None, :]
+        # top-k / top-p are applied per row; rows where they are off (0 / 1.0) keep every
+        # token, and the whole pass is skipped when they are off for every row (same result)
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
+        if min(ks) < vocab:
+            top_k = torch.tensor(ks, device=dev)
+            sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)
-        top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=logits.device)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each token
-        keep = ((before < top_p[:, None]) | (ranks == 0)) & (probs > 0)
+        if any(p.top_p < 1.0 for p in ps):
+            tp = [p.top_p if p.top_p < 1.0 else float("inf") for p in ps]
+            top_p = torch.tensor(tp, dtype=torch.float32, device=dev)
+            before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each token
+            keep = ((before < top_p[:, None]) | (ranks == 0)) & (probs > 0)
+        else:
+            keep = probs > 0
         probs = torch.where(keep, probs, torch.zeros_like(probs))
         probs = probs / probs.sum(dim=-1, keepdim=True)
         cdf = torch.cumsum(probs, dim=-1)
-        u = torch.tensor(
-            [uniform(p.seed, positions[i]) for p, i in zip(ps, sampled, strict=True)],
-            dtype=torch.float32,
-            device=logits.device,
-        )
+        draws = uniforms([p.seed for p in ps], [positions[i] for i in sampled])
+        u = torch.from_numpy(draws).to(device=dev, dtype=torch.float32)
         idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
         kept = keep.sum(dim=-1) - 1
         idx = torch.minimum(idx, kept)

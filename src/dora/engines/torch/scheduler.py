@@ -29,6 +29,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.cached_tokens = 0  # context tokens admitted with KV from the prefix cache
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -101,15 +102,17 @@ class Scheduler:
         self.waiting.sort(key=Sequence.sort_key)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            cached = 0
             if not seq.block_table:
                 hits, hashes = self.blocks.match_prefix(seq.token_ids)
                 seq.block_table, seq.block_hashes = hits, hashes
-                seq.num_computed = len(hits) * self.blocks.block_size
+                seq.num_computed = cached = len(hits) * self.blocks.block_size
             n = min(seq.num_pending, budget)
             if not self._grow(seq, seq.num_computed + n):
                 self._release(seq)
                 break
             self.waiting.pop(0)
+            self.cached_tokens += cached  # counted once, when the admission sticks
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             batch.append(ScheduledSeq(seq, n))
