@@ -114,6 +114,9 @@ class TimingCore:
         self.load_s = 0.0
         self.decoded_tokens = 0
         self.preemptions = 0
+        self.changes = 0
+        """Bumped whenever the set of requests or their states change (not on decode steps):
+        a driver may reuse a view of this core while it is unchanged."""
 
     # ------------------------------------------------------------------ queries
     @property
@@ -200,6 +203,7 @@ class TimingCore:
 
     def remove(self, rid: int, keep_kv: bool) -> SimRequest:
         """Take a request out (export when ``keep_kv``, abort otherwise), synced to now."""
+        self.changes += 1
         req = self.running.pop(rid, None)
         if req is not None:
             self._sync(req)
@@ -242,6 +246,7 @@ class TimingCore:
         if self.strict_versions and any(r.version != version for r in self.requests()):
             raise ValueError(f"version: engine {self.engine_id} holds requests of another version")
         self.clock = max(self.clock, now) + self.cost.weight_load_time
+        self.changes += 1
         self.load_s += self.cost.weight_load_time
         self.busy_s += self.cost.weight_load_time
         self.version = version
@@ -361,6 +366,7 @@ class TimingCore:
             if end > self.steps:
                 break
             heapq.heappop(ends)
+            self.changes += 1
             self._sync(req)
             del self.running[req.rid]
             self.context -= req.context
@@ -377,6 +383,7 @@ class TimingCore:
             self._blocked = False
 
     def _push_waiting(self, req: SimRequest, front: bool) -> None:
+        self.changes += 1
         order = -next(self._seq) - 10**12 if front else next(self._seq)
         heapq.heappush(self._waiting, (-req.priority, order, req))
         self._waiting_ids[req.rid] = req
@@ -402,6 +409,7 @@ class TimingCore:
             if not self._admissible(req):
                 break
             heapq.heappop(waiting)
+            self.changes += 1
             del self._waiting_ids[req.rid]
             self._waiting_prefill -= req.prefill
             self.held -= req.kv_held
