@@ -8,7 +8,8 @@ forced by ``max_tokens``):
 
 transformers runs static batches of 64 (a batch generates until its longest request is done:
 the cost continuous batching removes); the torch engine runs continuous batching with at most
-64 running sequences. Tokens/s counts requested tokens only. vLLM is measured when
+64 running sequences (decode attention in its compiled paged kernel when it builds; the JSON
+meta says which). Tokens/s counts requested tokens only. vLLM is measured when
 ``import vllm`` works, else the row says why it is missing.
 """
 
@@ -132,6 +133,7 @@ def cli(
 
     from dora.bench.engine_vllm import run_vllm, vllm_note
     from dora.bench.report import print_table, save_rows
+    from dora.engines.torch import paged_kernel
     from dora.models import build_model, save_pretrained
 
     if threads:
@@ -175,6 +177,8 @@ def cli(
             "vllm": note,
             "longtail_requests": longtail_requests,
             "clip": clip,
+            # decode attention in the compiled paged kernel (else the torch gather path)
+            "paged_kernel": paged_kernel.load() is not None,
         },
     )
     typer.echo(f"saved {path}")
