@@ -15,7 +15,9 @@ order, so a sequence's output does not depend on the rest of the batch.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import threading
 from collections.abc import Callable
 
@@ -211,6 +213,18 @@ _lock = threading.Lock()
 _state: dict[str, DecodeAttention | None] = {}
 
 
+def _cpu_tag() -> str:
+    """Short hash of the CPU's features: the build uses -march=native, so a cached build must
+    never be loaded on a different CPU (it could hit an illegal instruction)."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags += platform.processor()
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
 def _build() -> DecodeAttention | None:
     if os.environ.get("DORA_PAGED_KERNEL", "1") == "0":
         log.info("paged_kernel_disabled", reason="DORA_PAGED_KERNEL=0")
@@ -219,7 +233,7 @@ def _build() -> DecodeAttention | None:
         from torch.utils.cpp_extension import load_inline
 
         load_inline(
-            name="dora_paged_attention_v6",
+            name=f"dora_paged_attention_v6_{_cpu_tag()}",
             cpp_sources=[_SOURCE],
             extra_cflags=["-O3", "-march=native"],
             is_python_module=False,
