@@ -466,15 +466,20 @@ class Generator:
         """Partial rollout: abort in-flight work; it is re-added first, under ``version`` with
         its tokens, right after the load (``dora.rollout.partial``). Leases stay held."""
         loaded = self.engine.version
-        for rid, held in list(self._held.items()):
-            if held.exported or any(r.request_id == rid for r in self._resumes):
-                continue
-            try:
-                part = await self._call(self.engine.abort, rid)
-            except EngineError:  # finished meanwhile: its trajectory is on its way
-                continue
+        pending = {r.request_id for r in self._resumes}
+        rids = [rid for rid, h in self._held.items() if not h.exported and rid not in pending]
+        for part in await self._call(self._abort_all, rids):
             self._resumes.append(resumed(part, loaded, version))
             self.stats.resubmitted += 1
+
+    def _abort_all(self, rids: list[str]) -> list[Any]:
+        """Engine thread: abort ``rids`` in one job (one hop for the whole engine); a request
+        that finished meanwhile is skipped (its trajectory is on its way)."""
+        parts = []
+        for rid in rids:
+            with contextlib.suppress(EngineError):
+                parts.append(self.engine.abort(rid))
+        return parts
 
     async def _export(self, command: ExportRequest) -> ControlReply:
         held = self._held[command.request_id]
