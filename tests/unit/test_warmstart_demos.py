@@ -40,3 +40,11 @@ def test_packed_rows_carry_loss_on_completions_only() -> None:
             assert text.endswith(completion) and "Q:" not in completion
             assert completion.split("\n")[-1].startswith("answer: ")
     assert mask.dtype == torch.bool
+
+
+def test_shortcut_fraction_enters_the_cache_key_only_when_set() -> None:
+    from dora.models.warmstart import WarmstartConfig
+
+    base = WarmstartConfig(steps=10)
+    assert WarmstartConfig(steps=10, shortcut_fraction=0.0).key() == base.key()
+    assert WarmstartConfig(steps=10, shortcut_fraction=0.5).key() != base.key()

@@ -70,7 +70,10 @@ class WarmstartConfig(BaseModel):
 
     def key(self) -> str:
         """Cache key: hash of the config and the training-code version."""
-        canon = json.dumps({"v": FORMAT_VERSION, **self.model_dump()}, sort_keys=True)
+        data = self.model_dump()
+        if not data["shortcut_fraction"]:  # added later: off keeps existing cache keys valid
+            del data["shortcut_fraction"]
+        canon = json.dumps({"v": FORMAT_VERSION, **data}, sort_keys=True)
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
