@@ -127,8 +127,15 @@ def cli(
     repeats: int = typer.Option(1, "--repeats", help="Alternating runs per impl; best kept."),
     longtail_requests: int = typer.Option(256, "--longtail-requests"),
     clip: int = typer.Option(2048, "--clip", help="Longest completion of the longtail run."),
+    workloads: str = typer.Option(
+        "uniform,longtail", "--workloads", help="Comma-separated: uniform, longtail."
+    ),
 ) -> None:
     """Tokens/s of the torch engine vs transformers generate (and vLLM when installed)."""
+    wanted = {w.strip() for w in workloads.split(",") if w.strip()}
+    unknown = wanted - {"uniform", "longtail"}
+    if unknown:
+        raise typer.BadParameter(f"unknown workload(s) {sorted(unknown)}", param_hint="--workloads")
     import torch
 
     from dora.bench.engine_vllm import run_vllm, vllm_note
@@ -148,6 +155,8 @@ def cli(
             run_torch_engine(model, tok, warm)
             run_transformers(Path(tmp), warm)
             for work in make_workloads(quick, longtail_requests, clip):
+                if work.name.split()[0] not in wanted:
+                    continue
                 ours, hf = math.inf, math.inf
                 for _ in range(max(1, repeats)):  # alternate, keep the best of each
                     ours = min(ours, run_torch_engine(model, tok, work))
