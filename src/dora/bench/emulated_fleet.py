@@ -394,15 +394,9 @@ class _Workers:
     ) -> AsyncIterator[None]:
         if cfg.processes > 0:
             procs = WorkerProcesses(cfg, max_seqs, bus.url, bus.subjects.run, cfg.processes)
-            stop = asyncio.Event()
             try:
-                async with procs:
-                    front = asyncio.create_task(serve_front(cfg, bus, stop.wait, seen=seen))
-                    try:
-                        yield
-                    finally:
-                        stop.set()
-                        self.front = await front
+                async with procs, self._front(cfg, bus, seen, asyncio.Event()):
+                    yield
             finally:
                 self.engines.extend(procs.reports)
                 self.failures.extend(procs.errors)
@@ -416,13 +410,28 @@ class _Workers:
         if engines.done():
             waiter.cancel()
             engines.result()  # raises what stopped the engines
+        try:
+            async with self._front(cfg, bus, seen, stop):
+                yield
+        finally:
+            self.engines.append(await engines)
+
+    @contextlib.asynccontextmanager
+    async def _front(
+        self,
+        cfg: EmulatedConfig,
+        bus: NatsBus,
+        seen: Callable[[ScoredTrajectory], None],
+        stop: asyncio.Event,
+    ) -> AsyncIterator[None]:
+        """The front on this loop until the block ends; then ``stop`` (shared with in-loop
+        engines) is set and the front's report kept."""
         front = asyncio.create_task(serve_front(cfg, bus, stop.wait, seen=seen))
         try:
             yield
         finally:
             stop.set()
             self.front = await front
-            self.engines.append(await engines)
 
 
 def summarize(run: EmulatedRun) -> dict[str, Any]:
