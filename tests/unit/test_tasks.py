@@ -68,6 +68,26 @@ def test_arithmetic_rewrite_scratchpad_carries_the_remaining_sum() -> None:
     assert all(verifier.verify(task.solve(p), p).correct for p in task.prompts("train", 50))
 
 
+def test_arithmetic_modulus_keeps_every_running_sum_to_one_digit() -> None:
+    task = make_task("arithmetic", seed=0, min_terms=4, max_terms=4, modulus=10)
+    prompt = task.prompt("train", 0)
+    a, b, c, d = (int(t) for t in prompt.metadata["terms"].split("+"))  # type: ignore[union-attr]
+    s1, s2, s3 = (a + b) % 10, (a + b + c) % 10, (a + b + c + d) % 10
+    assert task.solve(prompt).split("\n") == [
+        f"{a}+{b}={s1}",
+        f"{s1}+{c}={s2}",
+        f"{s2}+{d}={s3}",
+        f"answer: {s3}",
+    ]
+    assert prompt.answer == str(s3)
+    verifier = make_verifier("exact_match")
+    prompts = list(task.prompts("train", 200))
+    assert all(verifier.verify(task.solve(p), p).correct for p in prompts)
+    assert {p.answer for p in prompts} <= {str(i) for i in range(10)}
+    with pytest.raises(ValueError, match="modulus"):
+        make_task("arithmetic", modulus=1)
+
+
 def test_arithmetic_lengths_are_long_tailed() -> None:
     task = make_task("arithmetic", seed=0)
     tok = CharTokenizer.build()

@@ -20,6 +20,10 @@ Example (prompt, then completion), ``scratchpad: running`` (the default)::
 ``8+9=17+2``, ``17+2=19``): the two numbers to add are always the first two after the last
 ``=``, so a small model need not count terms to find the next one; it learns in a fraction of
 the steps, and lengths grow quadratically with the term count (a longer tail).
+
+``modulus: 10`` keeps every running sum (and the answer) to one digit (``8+9=7``): each line
+is one of 100 single-digit facts, which a ~3M model learns within the warm start's budget,
+while the number of lines, and so the length of the reasoning, still grows with the problem.
 """
 
 from __future__ import annotations
@@ -48,6 +52,12 @@ class ArithmeticConfig(TaskConfig):
     max_value: int = Field(default=9, ge=1, le=10**9)
     eval_percent: int = Field(default=10, ge=1, le=50, description="Share of problems in eval.")
     scratchpad: Literal["running", "rewrite"] = "running"
+    modulus: int | None = Field(
+        default=None,
+        ge=2,
+        le=10**9,
+        description="Reduce every running sum (and the answer) modulo this; None: plain sums.",
+    )
 
     @model_validator(mode="after")
     def _ranges(self) -> ArithmeticConfig:
@@ -63,12 +73,12 @@ def format_problem(terms: list[int]) -> str:
     return f"Q: {'+'.join(map(str, terms))}\nA:\n"
 
 
-def scratchpad(terms: list[int], style: str = "running") -> str:
+def scratchpad(terms: list[int], style: str = "running", modulus: int | None = None) -> str:
     """The reference completion: one line per addition, then the answer line."""
     lines = []
-    total = terms[0]
+    total = terms[0] % modulus if modulus else terms[0]
     for i, t in enumerate(terms[1:], start=2):
-        new = total + t
+        new = (total + t) % modulus if modulus else total + t
         rest = "".join(f"+{x}" for x in terms[i:]) if style == "rewrite" else ""
         lines.append(f"{total}+{t}={new}{rest}")
         total = new
@@ -119,12 +129,17 @@ class ArithmeticTask(BaseTask):
         return Prompt(
             prompt_id=self.prompt_id(self.config.seed, split, index),
             text=format_problem(terms),
-            answer=str(sum(terms)),
+            answer=str(self.answer_of(terms)),
             task=self.name,
             split=split,
             metadata={"terms": "+".join(map(str, terms)), "num_terms": len(terms)},
         )
 
+    def answer_of(self, terms: list[int]) -> int:
+        """The sum of ``terms``, reduced by the modulus when one is set."""
+        total = sum(terms)
+        return total % self.config.modulus if self.config.modulus else total
+
     def solve(self, prompt: Prompt) -> str:
         """The reference scratchpad completion (without the end-of-sequence token)."""
-        return scratchpad(parse_terms(prompt), self.config.scratchpad)
+        return scratchpad(parse_terms(prompt), self.config.scratchpad, self.config.modulus)
