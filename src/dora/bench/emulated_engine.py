@@ -10,10 +10,28 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from dora.engines.base import PartialOutput
 from dora.engines.sim import RequestSpec, SimEngine, Workload
-from dora.events import EngineStatus, RolloutRequest
+from dora.events import EngineStatus, RolloutRequest, Trajectory
+
+
+class TraceEvent(NamedTuple):
+    """One thing that happened on an engine (``at``: wall seconds, ``time.time()``).
+
+    ``kind``: add (a queued request taken), resume (an interrupted one re-added), finish,
+    abort, export, import, load (``request_id`` is the version, ``extra`` when it is ready).
+    ``extra`` of an add / resume is the request's ``dispatched_at``; ``requests`` is how many
+    the engine holds after the event; ``decode_s`` its decode seconds so far (virtual).
+    """
+
+    kind: str
+    at: float
+    request_id: str
+    extra: float
+    requests: int
+    decode_s: float
 
 
 class GroupSpecs:
@@ -64,6 +82,9 @@ class PacedSimEngine(SimEngine):
         super().__init__(engine_id, cost, workload, seed, time_scale, max_seqs, max_sleep_s)
         self.spec_of = spec_of
         self.scale = time_scale
+        self.trace: list[TraceEvent] = []
+        """What happened on this engine, in wall seconds (``time.time()``): where its idle
+        time went (``dora.bench.emulated_trace`` reduces it)."""
 
     def restart_clock(self) -> None:
         """Virtual time 0 is now (call on idle engines, just before the run starts)."""
@@ -81,14 +102,46 @@ class PacedSimEngine(SimEngine):
     def add_request(self, request: RolloutRequest) -> None:
         self._catch_up()
         super().add_request(request)
+        resumed = request.resume is not None and bool(request.resume.token_ids)
+        kind = "resume" if resumed else "add"
+        self._note(kind, time.time(), request.request_id, request.dispatched_at)
 
     def load_weights(self, version: int, weights: Mapping[str, Any] | Path | None = None) -> None:
         self._catch_up()
+        at = time.time()
         super().load_weights(version, weights)
+        self._note("load", at, str(version), self._wall(self.core.clock))
 
     def import_request(self, snapshot: bytes) -> str:
         self._catch_up()
-        return super().import_request(snapshot)
+        rid = super().import_request(snapshot)
+        self._note("import", time.time(), rid, 0.0)
+        return rid
+
+    def export_request(self, request_id: str) -> bytes:
+        out = super().export_request(request_id)
+        self._note("export", self._wall(self.core.clock), request_id, 0.0)
+        return out
+
+    def restore_exported(self, request_id: str) -> None:
+        super().restore_exported(request_id)
+        self._note("import", self._wall(self.core.clock), request_id, 0.0)
+
+    def abort(self, request_id: str) -> PartialOutput:
+        out = super().abort(request_id)
+        self._note("abort", self._wall(self.core.clock), request_id, 0.0)
+        return out
+
+    def step(self) -> list[Trajectory]:
+        done = super().step()
+        for traj in done:
+            self._note("finish", traj.timings.finished_at, traj.request.request_id, 0.0)
+        return done
+
+    def _note(self, kind: str, at: float, request_id: str, extra: float) -> None:
+        self.trace.append(
+            TraceEvent(kind, at, request_id, extra, self.core.num_requests(), self.core.decode_s)
+        )
 
     def _build(self, request: RolloutRequest, migrations: Any = None) -> Any:
         req = super()._build(request, migrations)

@@ -106,6 +106,9 @@ class EmulatedConfig:
     """Wall-clock limit of the run."""
     processes: int = 2
     """OS processes the generators are spread over (0: all on the caller's event loop)."""
+    pull_batch: int | None = 1
+    """Most requests a generator takes per pull (None: as many as it has room for; see
+    ``emulated_workers.PullCapBus``)."""
 
     def __post_init__(self) -> None:
         if self.mode not in EMULATED_MODES:
@@ -115,6 +118,8 @@ class EmulatedConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {self.staleness}")
+        if self.pull_batch is not None and self.pull_batch < 1:
+            raise ValueError(f"pull_batch must be >= 1 or None, got {self.pull_batch}")
         for name in ("time_scale", "tick_s", "status_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -22,8 +22,8 @@ from typing import Any
 
 import structlog
 
-from dora.bench.emulated_engine import GroupSpecs, PacedSimEngine
-from dora.bus import Bus, ConsumerSpec, NatsBus
+from dora.bench.emulated_engine import GroupSpecs, PacedSimEngine, TraceEvent
+from dora.bus import Bus, Consumer, ConsumerSpec, ConsumerState, Message, NatsBus
 from dora.engines.sim import workload_preset
 from dora.events import SamplingParams, ScoredTrajectory, Trajectory, WeightVersion
 from dora.rollout.dispatch_service import DispatchService
@@ -48,6 +48,78 @@ class EngineReport:
     resubmitted: int = 0
     dead_lettered: int = 0
     failures: list[str] = field(default_factory=list)
+    traces: dict[str, list[TraceEvent]] = field(default_factory=dict)
+    """Per engine: what happened when (``PacedSimEngine.trace``)."""
+    busy: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    """Per engine at the stop: virtual seconds of decode, prefill and weight loads."""
+
+
+class _RequestConsumer(Consumer):
+    """A request-queue consumer that fetches at most ``cap`` messages (None: no cap) and
+    wakes ``engine`` when it got some."""
+
+    def __init__(self, inner: Consumer, engine: PacedSimEngine, cap: int | None) -> None:
+        self.inner = inner
+        self.spec = inner.spec
+        self.engine = engine
+        self.cap = cap
+
+    async def fetch(self, batch: int = 1, timeout: float = 1.0) -> list[Message]:
+        msgs = await self.inner.fetch(batch if self.cap is None else min(batch, self.cap), timeout)
+        if msgs:
+            self.engine.wake()
+        return msgs
+
+    async def state(self) -> ConsumerState:
+        return await self.inner.state()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class GeneratorBus:
+    """``bus`` as one emulated generator sees it: request-queue pulls capped at ``pull_batch``
+    messages, and the engine's pacing sleep cut short when work arrives for it.
+
+    Why the cap: a generator fetches as many requests as it has room for (``max_running``
+    minus what it holds, ~40 here). With fewer requests than the fleet has slots (every mode
+    at K=1 on this setting), the first engine to pull after a burst takes up to its whole
+    room and the others get none; nats-py also keeps a fetch that got some messages open
+    until it is full or times out, so an idle engine waits for more before starting any.
+    Placement then follows who pulled first, not load. The baselines dora is compared with
+    route each request to a server by load (AReaL round-robin, slime's sglang-router) and
+    the simulator spreads a burst least-loaded first; with one request per pull, waiting
+    pulls are served in arrival order, so a burst goes round-robin over the engines with
+    room and each request starts as soon as it is delivered.
+
+    Why the wake: every engine call queues behind a paced ``step()`` that may sleep
+    ``max_sleep_s`` of wall time (``SimEngine.wake``); a delivered request or a control
+    command wakes the engine first, as a real engine admits work at its next decode step.
+    """
+
+    def __init__(self, bus: Bus, engine: PacedSimEngine, pull_batch: int | None) -> None:
+        if pull_batch is not None and pull_batch < 1:
+            raise ValueError(f"pull_batch must be >= 1 or None, got {pull_batch}")
+        self._bus = bus
+        self.engine = engine
+        self.pull_batch = pull_batch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bus, name)
+
+    async def consumer(self, spec: ConsumerSpec) -> Consumer:
+        inner = await self._bus.consumer(spec)
+        prefix = self._bus.subjects.requests_all.removesuffix("*")
+        if spec.filter_subject.startswith(prefix):
+            return _RequestConsumer(inner, self.engine, self.pull_batch)
+        return inner
+
+    async def serve(self, subject: str, handler: Callable[[bytes], Awaitable[bytes]]) -> Any:
+        async def woken(data: bytes) -> bytes:
+            self.engine.wake()
+            return await handler(data)
+
+        return await self._bus.serve(subject, woken)
 
 
 async def _weights(version: int) -> dict[str, Any]:
@@ -97,7 +169,8 @@ async def serve_engines(
             status_interval_s=status,
             initial_version=0,
         )
-        generators.append(Generator(engine, bus, _weights, config))
+        gen_bus = GeneratorBus(bus, engine, cfg.pull_batch)
+        generators.append(Generator(engine, gen_bus, _weights, config))  # type: ignore[arg-type]
     tasks = [asyncio.create_task(g.run(), name=g.config.engine_id) for g in generators]
     final: list[float] = []
     watch = asyncio.create_task(_watch_final(bus, cfg.steps, engines, final))
@@ -116,6 +189,9 @@ async def serve_engines(
     report.failures = [repr(r) for r in results if isinstance(r, BaseException)]
     report.decode_s_at_stop = sum(e.core.decode_s for e in engines)
     report.decode_s = final[0] if final else report.decode_s_at_stop
+    for e in engines:
+        report.traces[e.engine_id] = e.trace
+        report.busy[e.engine_id] = (e.core.decode_s, e.core.prefill_s, e.core.load_s)
     for g in generators:
         s = g.stats
         report.pulled += s.pulled

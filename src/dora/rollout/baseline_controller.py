@@ -111,13 +111,21 @@ class BaselineController:
 
         if self.mode != "partial":
             await self._serve_old_queues(live, depth)
+        behind = []
         for engine_id, status in live.items():
             current = status.assigned_version
             if current is not None and current >= self.newest:
                 continue
             if self.mode != "partial" and current is not None and await depth(current) > 0:
                 continue  # finish this version's queue first
-            await self._assign(engine_id, self.newest)
+            behind.append(engine_id)
+        # All at once, not one round trip after another: a weight update is fleet-wide (in
+        # partial rollout every engine pauses, loads and resumes together, as AReaL's and
+        # slime's servers do). Sent in sequence, the update spread over the fleet for as
+        # long as 16 interrupt round trips take, and the engines switched first took the
+        # new version's whole queue while the others still served the old one.
+        newest = self.newest
+        await asyncio.gather(*(self._assign(e, newest) for e in behind))
 
     async def _serve_old_queues(
         self,

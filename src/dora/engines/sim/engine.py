@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -78,6 +79,7 @@ class SimEngine:
         self.fingerprint = f"sim:{self.cost.name}"
         self._t0 = time.monotonic()
         self._epoch = time.time()
+        self._wake = threading.Event()
         self._next_rid = 0
         self._ids: dict[str, int] = {}
         self._meta: dict[int, tuple[RolloutRequest, list[Migration]]] = {}
@@ -89,6 +91,16 @@ class SimEngine:
     def virtual_time(self) -> float:
         return self.core.clock
 
+    def wake(self) -> None:
+        """End the pacing sleep of a ``step()`` in progress now (thread-safe).
+
+        A paced step sleeps up to ``max_sleep_s`` of wall time on the engine's thread, and
+        every other engine call waits behind it; at 50x that is 1 emulated second, where a
+        real engine takes new work at its next decode step (tens of ms). A caller that is
+        about to hand the engine work (a request, a control command) wakes it first.
+        """
+        self._wake.set()
+
     def _wall(self, t: float) -> float:
         return self._epoch + t / (self.time_scale or 1.0)
 
@@ -98,7 +110,8 @@ class SimEngine:
             return nxt
         now = (time.monotonic() - self._t0) * self.time_scale
         if nxt > now:
-            time.sleep(min((nxt - now) / self.time_scale, self.max_sleep_s))
+            self._wake.wait(min((nxt - now) / self.time_scale, self.max_sleep_s))
+            self._wake.clear()
             now = (time.monotonic() - self._t0) * self.time_scale
         return min(nxt, now)
 

@@ -1,0 +1,66 @@
+"""BaselineController: which engines it moves to the newest version, and how."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from dora.bus import MemoryBus
+from dora.events import AssignVersion, ControlReply, EngineStatus
+from dora.rollout.baseline_controller import BaselineController
+from dora.subjects import Subjects
+
+N = 4
+
+
+def _status(engine: str, version: int) -> EngineStatus:
+    return EngineStatus(
+        engine_id=engine, version=version, assigned_version=version, state="serving"
+    )
+
+
+async def test_partial_update_reaches_every_engine_at_once() -> None:
+    """A partial-rollout update is fleet-wide: every engine's assignment is in flight
+    together (each handler below returns only once all N have been entered), not one
+    interrupt round trip after another."""
+    bus = MemoryBus(Subjects("t"))
+    await bus.connect()
+    entered: list[str] = []
+    all_in = asyncio.Event()
+    saw_all: dict[str, bool] = {}
+
+    def handler_for(engine: str) -> Callable[[bytes], Awaitable[bytes]]:
+        async def handle(data: bytes) -> bytes:
+            command = AssignVersion.model_validate_json(data)
+            assert command.engine_id == engine and command.version == 1
+            entered.append(engine)
+            if len(entered) == N:
+                all_in.set()
+            try:
+                await asyncio.wait_for(all_in.wait(), timeout=2.0)
+                saw_all[engine] = True
+            except TimeoutError:
+                saw_all[engine] = False
+            return ControlReply(ok=True).model_dump_json().encode()
+
+        return handle
+
+    engines = [f"e{i}" for i in range(N)]
+    for e in engines:
+        await bus.serve(bus.subjects.control(e), handler_for(e))
+    controller = BaselineController(bus, "partial")
+    now = time.monotonic()
+    for e in engines:
+        controller.status[e] = _status(e, 0)
+        controller.seen[e] = now
+    controller.newest = 1
+    await controller.tick()
+    assert sorted(entered) == engines
+    assert all(saw_all[e] for e in engines)
+    assert sorted(e for _, e, v in controller.assignments if v == 1) == engines
+    assert all(controller.status[e].assigned_version == 1 for e in engines)
+    entered.clear()
+    await controller.tick()  # nothing left to move
+    assert entered == []
+    await bus.close()
