@@ -11,11 +11,16 @@ the cost continuous batching removes); the torch engine runs continuous batching
 64 running sequences (decode attention in its compiled paged kernel when it builds; the JSON
 meta says which). Tokens/s counts requested tokens only. vLLM is measured when
 ``import vllm`` works, else the row says why it is missing.
+
+Same cores for every column: ``--threads N`` pins this process to N cores (its torch engine and
+transformers run there with N torch threads) and the vLLM child, with all its processes, to the
+same N cores; the JSON meta records each column's cores and threads.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import random
 import tempfile
 import time
@@ -63,14 +68,22 @@ def make_workloads(
     ]
 
 
-def run_torch_engine(model: Any, tokenizer: Any, work: Workload, max_seqs: int = 64) -> float:
+def run_torch_engine(
+    model: Any, tokenizer: Any, work: Workload, max_seqs: int = 64, fast: bool = True
+) -> float:
     """Seconds for the torch engine to generate the workload (continuous batching)."""
     from dora.engines.torch import EngineConfig, TorchEngine
     from dora.events import Prompt, RolloutRequest, SamplingParams
 
     per_req = max(len(p) + n for p, n in zip(work.prompts, work.lengths, strict=True))
     blocks = max_seqs * (-(-per_req // 16) + 1)
-    config = EngineConfig(block_size=16, num_blocks=blocks, max_num_seqs=max_seqs, ignore_eos=True)
+    config = EngineConfig(
+        block_size=16,
+        num_blocks=blocks,
+        max_num_seqs=max_seqs,
+        ignore_eos=True,
+        fast_forward=fast,
+    )
     engine = TorchEngine(model, tokenizer, config, engine_id="bench", version=0)
     requests = [
         RolloutRequest(
@@ -138,13 +151,17 @@ def cli(
         raise typer.BadParameter(f"unknown workload(s) {sorted(unknown)}", param_hint="--workloads")
     import torch
 
-    from dora.bench.engine_vllm import run_vllm, vllm_note
+    from dora.bench.engine_vllm import bench_cpus, run_vllm, vllm_note
     from dora.bench.report import print_table, save_rows
-    from dora.engines.torch import paged_kernel
+    from dora.engines.torch import fast_forward, paged_kernel
     from dora.models import build_model, save_pretrained
 
+    cpus = bench_cpus(threads)
     if threads:
+        os.sched_setaffinity(0, cpus)  # our engine and transformers: these cores only
         torch.set_num_threads(threads)
+    here = {"cpus": sorted(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads()}
+    columns: dict[str, Any] = {"dora": here, "transformers": here}
     rows: list[dict[str, Any]] = []
     note = vllm_note()
     for preset in [m.strip() for m in models.split(",") if m.strip()]:
@@ -170,7 +187,14 @@ def cli(
                     "speedup": hf / ours,
                 }
                 if note is None:
-                    row["vllm_tok_s"] = work.tokens / run_vllm(Path(tmp), work)
+                    run = run_vllm(Path(tmp), work)
+                    row["vllm_tok_s"] = work.tokens / run.seconds
+                    row["dora_vs_vllm"] = run.seconds / ours
+                    columns["vllm"] = {
+                        "cpus": run.cpus,
+                        "torch_threads": run.omp_threads,
+                        "pinned_to": bench_cpus(torch.get_num_threads()),
+                    }
                 else:
                     row["vllm"] = "not installed" if "ModuleNotFound" in note else note
                 rows.append(row)
@@ -182,6 +206,8 @@ def cli(
         meta={
             "quick": quick,
             "threads": torch.get_num_threads(),
+            "columns": columns,  # cores and threads each implementation ran with
+            "fast_forward": fast_forward.supported(),
             "repeats": repeats,
             "vllm": note,
             "longtail_requests": longtail_requests,

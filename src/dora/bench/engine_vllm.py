@@ -14,9 +14,13 @@ fp32, ``max_num_seqs=64``, ``max_num_batched_tokens=2048`` with chunked prefill,
 caching on (both engines have it; the random prompts share no prefix, so it rarely fires),
 ``enforce_eager`` (our engine and transformers run eager PyTorch too; torch.compile on two
 shared cores is slow to start), ``skip_tokenizer_init`` (we pass token ids), a KV cache
-sized for the workload (``VLLM_CPU_KVCACHE_SPACE``, GiB) and OpenMP bound to as many cores as
-the parent's torch threads (``VLLM_CPU_OMP_THREADS_BIND``). Environment variables set by the
-caller win over these defaults.
+sized for the workload (``VLLM_CPU_KVCACHE_SPACE``, GiB).
+
+Fair cores: the child and every process it spawns (vLLM's engine core, its workers) are pinned
+with ``sched_setaffinity`` to the same ``threads`` cores the parent's engines run on, and its
+OpenMP is sized and bound to them (``OMP_NUM_THREADS``, ``VLLM_CPU_OMP_THREADS_BIND``), so
+vLLM's scheduler process cannot borrow a core the torch engine does not get. The child reports
+the affinity it ran with. Environment variables set by the caller win over these defaults.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +56,8 @@ class VllmRun:
     seconds: float
     output_lengths: list[int]
     startup_s: float
+    cpus: list[int] = field(default_factory=list)  # affinity the child reported
+    omp_threads: int = 0  # torch threads in the child's front process
 
 
 def vllm_note() -> str | None:
@@ -63,10 +69,9 @@ def vllm_note() -> str | None:
     return None
 
 
-def run_vllm(directory: Path, work: Workload) -> float:
-    """Seconds for vLLM offline generation of the workload (only where vLLM is installed)."""
-    run = generate_vllm(directory, work.prompts, work.lengths)
-    return run.seconds
+def run_vllm(directory: Path, work: Workload) -> VllmRun:
+    """vLLM offline generation of the workload (only where vLLM is installed)."""
+    return generate_vllm(directory, work.prompts, work.lengths)
 
 
 def generate_vllm(
@@ -79,7 +84,8 @@ def generate_vllm(
     """Generate ``lengths[i]`` tokens after ``prompts[i]`` with vLLM in a child process.
 
     ``threads`` defaults to the parent's torch threads (the bench sets them), so vLLM gets the
-    same cores as the torch engine. Raises ``VllmRunError`` (with the child's log tail) when
+    same cores as the torch engine: the child is pinned to the first ``threads`` cores of the
+    parent's affinity (``bench_cpus``). Raises ``VllmRunError`` (with the child's log tail) when
     the child fails or any request's output length differs from the one requested.
     """
     if len(prompts) != len(lengths):
@@ -95,10 +101,16 @@ def generate_vllm(
         job.write_text(json.dumps({"prompts": prompts, "lengths": lengths}))
         cmd = [sys.executable, "-m", "dora.bench.engine_vllm", str(directory), str(job), str(out)]
         env = {**os.environ, **_vllm_env(directory, prompts, lengths, threads)}
+        cpus = bench_cpus(threads)
         with log.open("w") as sink:
             try:
                 proc = subprocess.run(
-                    cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, timeout=timeout_s
+                    cmd,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    timeout=timeout_s,
+                    preexec_fn=lambda: os.sched_setaffinity(0, cpus),
                 )
             except subprocess.TimeoutExpired as exc:
                 raise VllmRunError(f"vLLM child timed out after {timeout_s:.0f} s") from exc
@@ -110,6 +122,8 @@ def generate_vllm(
         seconds=float(result["seconds"]),
         output_lengths=[int(n) for n in result["output_lengths"]],
         startup_s=float(result["startup_s"]),
+        cpus=[int(c) for c in result.get("cpus", [])],
+        omp_threads=int(result.get("torch_threads", 0)),
     )
     wrong = [i for i, (g, n) in enumerate(zip(run.output_lengths, lengths, strict=True)) if g != n]
     if wrong:
@@ -126,6 +140,13 @@ def _max_model_len(prompts: list[list[int]], lengths: list[int]) -> int:
     return -(-longest // 16) * 16  # round up to a block of 16
 
 
+def bench_cpus(threads: int) -> list[int]:
+    """The cores a bench column with ``threads`` threads runs on: the first ``threads`` of this
+    process's affinity (all of them for ``threads <= 0``)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    return allowed[:threads] if threads > 0 else allowed
+
+
 def _vllm_env(
     directory: Path, prompts: list[list[int]], lengths: list[int], threads: int
 ) -> dict[str, str]:
@@ -136,10 +157,11 @@ def _vllm_env(
     kv_heads = config.get("num_key_value_heads") or heads
     per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 4  # K and V, fp32
     need = per_token * MAX_NUM_SEQS * _max_model_len(prompts, lengths) * 1.25
-    cpus = sorted(os.sched_getaffinity(0))[: max(1, threads)]
+    cpus = bench_cpus(max(1, threads))
     env = {
         "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(need / 2**30))),
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cpus),
+        "OMP_NUM_THREADS": str(len(cpus)),
         "VLLM_LOGGING_LEVEL": "WARNING",
         "TOKENIZERS_PARALLELISM": "false",
     }
@@ -179,7 +201,11 @@ def _child(directory: Path, job: Path, out: Path) -> None:
     start = time.perf_counter()
     outputs = llm.generate(requests, sampling, use_tqdm=False)
     seconds = time.perf_counter() - start
+    import torch
+
     result = {
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
         "seconds": seconds,
         "startup_s": startup,
         "output_lengths": [len(o.outputs[0].token_ids) for o in outputs],

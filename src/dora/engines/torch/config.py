@@ -26,6 +26,12 @@ class EngineConfig:
     decode_bucket_waste: float = 0.5  # extra padded KV allowed per decode attention bucket
     # decode attention in the compiled CPU paged kernel (fp32) when it builds; else torch
     paged_kernel: bool = True
+    # inference forward on fused q|k|v and gate|up weights with compiled row-wise ops
+    # (``fast_forward``; fp32 CPU when they build), else the model's own forward_tokens
+    fast_forward: bool = True
+    # matmuls of the fast forward: "torch" (F.linear), "mkldnn" (weights prepacked for oneDNN
+    # at every weight load) or "auto" (mkldnn where it runs and matches F.linear)
+    linear: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
@@ -34,5 +40,9 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len must be > 0, got {self.max_model_len}")
+        if self.linear not in ("auto", "torch", "mkldnn"):
+            raise ValueError(
+                f"EngineConfig.linear must be 'auto', 'torch' or 'mkldnn', got {self.linear!r}"
+            )
         if self.decode_bucket_waste < 0:
             raise ValueError("EngineConfig.decode_bucket_waste must be >= 0")

@@ -94,6 +94,8 @@ class TorchEngine:
             dtype,
             self.config.decode_bucket_waste,
             self.config.paged_kernel,
+            self.config.fast_forward,
+            self.config.linear,
         )
         self.counters = EngineCounters()
         self._version = version
@@ -213,6 +215,8 @@ class TorchEngine:
             load_state_dict_into(self.model, state)
         except CheckpointError as exc:
             raise EngineError(f"cannot load weights of version {version}: {exc}") from exc
+        if self.runner.fast is not None:
+            self.runner.fast.sync(force=True)  # fused/packed weights follow the new ones
         self.blocks.reset_prefix_cache()
         self._version = version
         log.info("weights_loaded", engine=self.engine_id, version=version)

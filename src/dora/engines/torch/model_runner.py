@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dora.engines.torch import fast_forward as fast_forward_mod
 from dora.engines.torch import paged_kernel
 from dora.engines.torch.attention import (
     AttentionMetadata,
@@ -20,6 +21,7 @@ from dora.engines.torch.attention import (
     PagedAttention,
     PrefillChunk,
 )
+from dora.engines.torch.fast_forward import FastForward
 from dora.engines.torch.sequence import Sequence
 from dora.models import LlamaModel
 
@@ -49,6 +51,8 @@ class ModelRunner:
         dtype: torch.dtype,
         bucket_waste: float = 0.5,
         use_kernel: bool = True,
+        fast_forward: bool = True,
+        linear: str = "auto",
     ) -> None:
         self.model = model
         cfg = model.config
@@ -70,6 +74,11 @@ class ModelRunner:
         if use_kernel and device.type == "cpu" and dtype == torch.float32:
             kernel = paged_kernel.load()
         self.attn = PagedAttention(self.kv_cache, block_size, kernel)
+        self.fast: FastForward | None = None
+        if fast_forward and fast_forward_mod.supported(device, dtype):
+            if linear == "auto":
+                linear = "mkldnn" if fast_forward_mod.mkldnn_linear_works() else "torch"
+            self.fast = FastForward(model, linear)
         # the decode block table is rebuilt only when some sequence's table changed
         self._table_key: tuple[tuple[int, int], ...] = ()
         self._table: Tensor | None = None
@@ -222,7 +231,10 @@ class ModelRunner:
         input_ids, positions, logits_idx, meta, order = self.prepare(batch)
         self.attn.meta = meta
         try:
-            logits = self.model.forward_tokens(input_ids, positions, self.attn, logits_idx)
+            if self.fast is not None:
+                logits = self.fast(input_ids, positions, self.attn, logits_idx)
+            else:
+                logits = self.model.forward_tokens(input_ids, positions, self.attn, logits_idx)
         finally:
             self.attn.meta = None
         return logits.float(), order
