@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from dora.bench.emulated_trace import Breakdown, breakdown
 from dora.bench.emulated_workers import (
     EngineReport,
     FrontReport,
@@ -465,6 +466,7 @@ def summarize(run: EmulatedRun) -> dict[str, Any]:
     stale = [st.step - v for st in run.steps for v in st.versions]
     samples = run.samples.values()
     lags = run.loop_lag_s
+    parts = engine_time(run, t0, end)
     return {
         "mode": cfg.mode,
         "engines": cfg.engines,
@@ -486,4 +488,18 @@ def summarize(run: EmulatedRun) -> dict[str, Any]:
         "wall_s": run.wall_s,
         "loop_lag_mean_ms": 1000 * float(np.mean(lags)) if lags else 0.0,
         "loop_lag_p99_ms": 1000 * float(np.percentile(lags, 99)) if lags else 0.0,
+        "idle_queued": parts.fractions()["idle_queued"] if parts else None,
+        "idle_empty": parts.fractions()["idle_empty"] if parts else None,
+        "held_spread": parts.held_spread if parts else None,
+        "pickup_s_mean": parts.pickup_s_mean if parts else None,
     }
+
+
+def engine_time(run: EmulatedRun, start: float, end: float) -> Breakdown | None:
+    """Where the engines' time went between ``start`` and ``end`` (wall seconds), from their
+    traces; None when the run kept none."""
+    traces = {e: t for r in run.engines for e, t in r.traces.items()}
+    busy = {e: b for r in run.engines for e, b in r.busy.items()}
+    if not traces:
+        return None
+    return breakdown(traces, busy, start, end, run.cfg.time_scale)

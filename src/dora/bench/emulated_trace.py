@@ -21,7 +21,10 @@ from dora.bench.emulated_engine import TraceEvent
 
 @dataclass(frozen=True)
 class Breakdown:
-    """Engine time of a run (emulated engine-seconds, summed over engines) by what it did."""
+    """Engine time of a run (emulated engine-seconds, summed over engines) by what it did.
+
+    ``decode_s`` / ``prefill_s`` / ``load_s`` are the engines' own totals (up to their stop);
+    the idle terms and the held-request statistics cover the window only."""
 
     engine_s: float
     decode_s: float

@@ -23,9 +23,14 @@ Limits (what the emulation does not capture, or inflates):
   (the scorer records the counts first), and the stand-in trains on nothing;
 - a migration's KV transfer is not charged to the request (the import is instant on the
   engine's clock), only the protocol's wall-clock round trips are;
-- request placement follows NATS pull delivery (whichever engine fetches first, up to its
-  room), the simulator spreads a new batch least-loaded first: close, not identical, so
-  per-engine utilization differs more than rollout time does;
+- request placement: each generator pulls one request per fetch (``pull_batch``; the live
+  generator fetches as many as it has room for), so a burst goes round-robin over the
+  engines with room, as the baselines' routers do; the simulator spreads it least-loaded
+  first: close, not identical (requests held per engine spread 7-11 apart against 6);
+- every request waits for the dispatcher's wall-clock rate (~1-6 emulated s per group at
+  50x, more on a loaded machine) and a pull hop before an engine takes it; the simulator
+  dispatches a batch at once (``idle_queued`` / ``idle_empty`` / ``pickup_s_mean`` in the
+  JSON rows show where emulated engine time went);
 - run-to-run noise from other load on the machine: the event loop's lag is reported
   (``loop-lag-p99-ms``); compare ratios within one run, and repeat seeds.
 """
