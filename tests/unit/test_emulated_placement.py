@@ -144,3 +144,29 @@ def test_breakdown_splits_idle_time_by_queue_state() -> None:
     assert b.held_mean == pytest.approx((8 + 1) / 2 / 10)
     assert b.held_spread == pytest.approx((6 + 1) / 10)
     assert b.fractions()["decode"] == pytest.approx(14 / 40)
+
+
+@pytest.mark.parametrize("mode", ["partial", "dora"])
+def test_sim_breakdown_observes_without_changing_the_run(mode: str) -> None:
+    from dora.bench.emulated_trace import sim_breakdown
+    from dora.engines.sim import cost_preset
+    from dora.sim import SimConfig, simulate
+
+    cfg = SimConfig(
+        engines=4,
+        mode=mode,  # type: ignore[arg-type]
+        steps=3,
+        batch_groups=8,
+        group_size=4,
+        cost=cost_preset("dense-32b"),
+    )
+    result, parts = sim_breakdown(cfg)
+    plain = simulate(cfg)
+    assert result.tokens_per_s == plain.tokens_per_s
+    assert result.utilization == plain.utilization
+    assert parts.decode_s / parts.engine_s == pytest.approx(plain.utilization)
+    # time an engine sat empty is at most what it did not spend decoding, prefilling, loading
+    idle = parts.idle_queued_s + parts.idle_empty_s
+    assert idle <= parts.engine_s - parts.decode_s - parts.prefill_s - parts.load_s + 1e-6
+    if mode == "partial":  # one queue, spread at once: nothing waits while an engine is empty
+        assert parts.idle_queued_s == 0.0

@@ -11,12 +11,19 @@ can be compared with the simulator term by term.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dora.bench.emulated_engine import TraceEvent
+
+if TYPE_CHECKING:
+    from dora.engines.sim.core import SimRequest, TimingCore
+    from dora.sim import SimConfig
+    from dora.sim.fleet import Fleet
+    from dora.sim.metrics import SimResult
 
 
 @dataclass(frozen=True)
@@ -163,3 +170,59 @@ def _held_stats(held: Mapping[str, list[tuple]], start: float, end: float) -> tu
         mean += (b - a) * float(np.mean(values))
         spread += (b - a) * (max(values) - min(values))
     return mean / (end - start), spread / (end - start)
+
+
+def sim_breakdown(cfg: SimConfig) -> tuple[SimResult, Breakdown]:
+    """Run the simulator on ``cfg`` and reduce its engines' history the same way, so the
+    emulated fleet's breakdown has a counterpart (virtual seconds; scale 1).
+
+    The cores are wrapped for this one run (instance attributes, nothing global): every
+    add, import, removal and finish is noted with the fleet's clock.
+    """
+    from dora.sim.metrics import summarize as sim_summarize
+    from dora.sim.runner import _driver
+
+    driver = _driver(cfg)
+    fleet = driver.fleet
+    traces: dict[str, list[TraceEvent]] = {str(i): [] for i in range(cfg.engines)}
+
+    def note(core: TimingCore, kind: str, at: float, rid: int, extra: float = 0.0) -> None:
+        ev = TraceEvent(kind, at, str(rid), extra, core.num_requests(), core.decode_s)
+        traces[str(core.engine_id)].append(ev)
+
+    for core in fleet.cores:
+        _wrap(core, fleet, note)
+    finished = fleet._finished
+
+    def on_finished(req: SimRequest) -> None:
+        note(fleet.cores[req.engines[-1]], "finish", req.finished_at, req.rid)
+        finished(req)
+
+    fleet._finished = on_finished  # type: ignore[method-assign]
+    records = driver.run()
+    result = sim_summarize(cfg, fleet, records, plan_calls=driver.plan_calls)
+    busy = {str(i): (c.decode_s, c.prefill_s, c.load_s) for i, c in enumerate(fleet.cores)}
+    end = records[-1].train_end if records else fleet.now
+    return result, breakdown(traces, busy, 0.0, end, 1.0)
+
+
+def _wrap(core: TimingCore, fleet: Fleet, note: Callable[..., None]) -> None:
+    add, imp, remove = core.add, core.import_request, core.remove
+
+    def add_(req: SimRequest, now: float | None = None) -> None:
+        fresh = req.generated == 0 and req.context == 0
+        add(req, now)
+        note(core, "add" if fresh else "resume", fleet.now, req.rid, req.dispatched_at)
+
+    def import_(req: SimRequest, now: float) -> None:
+        imp(req, now)
+        note(core, "import", fleet.now, req.rid)
+
+    def remove_(rid: int, keep_kv: bool) -> SimRequest:
+        req = remove(rid, keep_kv)
+        note(core, "abort", fleet.now, rid)
+        return req
+
+    core.add = add_  # type: ignore[method-assign]
+    core.import_request = import_  # type: ignore[method-assign]
+    core.remove = remove_  # type: ignore[method-assign]

@@ -89,9 +89,9 @@ def _with_ratios(rows: list[dict[str, Any]]) -> None:
 
 
 def _sim_row(cfg: EmulatedConfig) -> dict[str, Any]:
-    from dora.sim import simulate
+    from dora.bench.emulated_trace import sim_breakdown
 
-    r = simulate(cfg.sim_config())
+    r, parts = sim_breakdown(cfg.sim_config())
     return {
         "source": "sim",
         "seed": cfg.seed,
@@ -107,6 +107,10 @@ def _sim_row(cfg: EmulatedConfig) -> dict[str, Any]:
         "staleness_mean": r.staleness_mean,
         "staleness_max": r.staleness_max,
         "wall_s": r.sim_seconds,
+        "idle_queued": parts.fractions()["idle_queued"],
+        "idle_empty": parts.fractions()["idle_empty"],
+        "held_spread": parts.held_spread,
+        "pickup_s_mean": parts.pickup_s_mean,
     }
 
 
