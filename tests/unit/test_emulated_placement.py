@@ -170,3 +170,23 @@ def test_sim_breakdown_observes_without_changing_the_run(mode: str) -> None:
     assert idle <= parts.engine_s - parts.decode_s - parts.prefill_s - parts.load_s + 1e-6
     if mode == "partial":  # one queue, spread at once: nothing waits while an engine is empty
         assert parts.idle_queued_s == 0.0
+
+
+def test_scorer_trims_a_payload_to_what_the_learner_needs() -> None:
+    from dora.bench.emulated_workers import trimmed
+    from dora.events import ResumeState
+
+    engine = SimEngine("e0", "dense-7b", "dapo-16k", seed=0)
+    engine.load_weights(1)
+    first = _request(0).model_copy(update={"version": 1})
+    part = ResumeState(token_ids=(5, 6, 7), logprobs=(-1.0,) * 3, token_versions=(0, 0, 1))
+    engine.add_request(first.model_copy(update={"resume": part}))
+    (full,) = [t for _ in iter(engine.has_work, False) for t in engine.step()]
+    traj, completion, prompt = trimmed(full.model_dump_json().encode())
+    assert (completion, prompt) == (len(full.completion_token_ids), len(full.prompt_token_ids))
+    assert traj.request.resume is None and traj.request.request_id == "p0/0"
+    assert traj.completion_token_ids == full.completion_token_ids[:1]
+    assert traj.prompt_token_ids == full.prompt_token_ids[:1]
+    assert len(traj.logprobs) == len(traj.loss_mask) == 1
+    assert traj.token_versions == (0,)  # the oldest token's version
+    assert traj.version == full.version == 1 and traj.turns == ()
