@@ -75,3 +75,23 @@ def test_engine_with_kernel_equals_torch_path() -> None:
         a, b = fast[r.request_id], slow[r.request_id]
         assert a.completion_token_ids == b.completion_token_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_kernel_threads_and_kv_head_split_do_not_change_results() -> None:
+    """With few sequences and 2 threads, work splits by (sequence, kv head): same bits."""
+    torch.manual_seed(1)
+    k_cache = torch.randn(128, 16, 2, 64)
+    v_cache = torch.randn(128, 16, 2, 64)
+    lens = torch.tensor([5, 300, 1000], dtype=torch.int32)
+    table = torch.randperm(128).repeat(2)[: 3 * 64].view(3, 64).int()
+    q = torch.randn(3, 4, 64)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(q, k_cache, v_cache, table, lens, 0.125)
+        torch.set_num_threads(2)
+        two = op(q, k_cache, v_cache, table, lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    assert torch.allclose(one, _reference(q, k_cache, v_cache, table, lens), atol=1e-5)

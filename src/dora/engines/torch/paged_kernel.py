@@ -69,28 +69,28 @@ inline v8 exp8(v8 x) {
   return (v8)((v8i)(y * (v8)bits) & ~small);
 }
 
-// Attention of one sequence's H query heads over its L context tokens (K/V rows read from
-// the blocks of `row`). scores: H * Lp floats of scratch, Lp = L rounded up to 8.
+// Attention of one sequence's query heads [q0, q1) (whole groups of kv heads) over its L
+// context tokens (K/V rows read from the blocks of `row`). scores: H * Lp floats of scratch,
+// Lp = L rounded up to 8. A head's result depends only on this sequence, not on [q0, q1).
 void attend_one(const float* qb, const float* kp, const float* vp, const int32_t* row,
                 int64_t L, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale,
-                float* scores, float* ob) {
+                float* scores, float* ob, int64_t q0, int64_t q1) {
   const int64_t G = H / KVH, W = KVH * D, nb = (L + bs - 1) / bs, Lp = (L + 7) / 8 * 8;
-  for (int64_t hq = 0; hq < H; ++hq) {
+  for (int64_t hq = q0; hq < q1; ++hq) {
     for (int64_t l = L; l < Lp; ++l) scores[hq * Lp + l] = -1e30f;  // exp -> 0
   }
-  const int64_t lines = bs * W / 16;  // 64-byte lines of one block, prefetched a row at a time
+  // the next block's row t (the part these heads read) is prefetched while row t is used
+  const int64_t first = (q0 / G) * D, width = (q1 - q0) / G * D;
   for (int64_t j = 0; j < nb; ++j) {  // scores = q . k
     const float* kb = kp + int64_t(row[j]) * bs * W;
     const float* next = j + 1 < nb ? kp + int64_t(row[j + 1]) * bs * W : nullptr;
     const int64_t rows = std::min(bs, L - j * bs);
     for (int64_t t = 0; t < rows; ++t) {
       if (next != nullptr) {
-        for (int64_t c = t * lines / bs; c < (t + 1) * lines / bs; ++c) {
-          __builtin_prefetch(next + c * 16);
-        }
+        for (int64_t c = 0; c < width; c += 16) __builtin_prefetch(next + t * W + first + c);
       }
       const float* kr = kb + t * W;
-      for (int64_t hq = 0; hq < H; ++hq) {
+      for (int64_t hq = q0; hq < q1; ++hq) {
         const float* qh = qb + hq * D;
         const float* kh = kr + (hq / G) * D;
         v8 a = ld(qh) * ld(kh), b = ld(qh + 8) * ld(kh + 8);
@@ -102,7 +102,7 @@ void attend_one(const float* qb, const float* kp, const float* vp, const int32_t
       }
     }
   }
-  for (int64_t hq = 0; hq < H; ++hq) {  // softmax
+  for (int64_t hq = q0; hq < q1; ++hq) {  // softmax
     float* s = scores + hq * Lp;
     v8 m = ld(s);
     for (int64_t l = 8; l < Lp; l += 8) {
@@ -120,7 +120,7 @@ void attend_one(const float* qb, const float* kp, const float* vp, const int32_t
     const v8 inv = v8{} + 1.0f / hsum(acc);
     for (int64_t l = 0; l < Lp; l += 8) st(s + l, ld(s + l) * inv);
   }
-  for (int64_t hq = 0; hq < H; ++hq) {  // out = p . v, 32 floats of the head at a time
+  for (int64_t hq = q0; hq < q1; ++hq) {  // out = p . v, 32 floats of the head at a time
     const float* s = scores + hq * Lp;
     const int64_t off = (hq / G) * D;
     for (int64_t c = 0; c < D; c += 32) {
@@ -187,11 +187,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
     longest = std::max<int64_t>(longest, lens[b]);
   }
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  // Work items: whole sequences (each K/V row read once, contiguously), or (sequence, kv
+  // head) when there are too few sequences to keep every thread busy (the long tail).
+  // Threads split items, never a reduction, so the result does not depend on them.
+  const int64_t split = B < 2 * at::get_num_threads() ? KVH : 1;
+  const int64_t per = H / split;  // query heads per item
+  at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(H * ((longest + 7) / 8 * 8));
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / split, q0 = (i % split) * per;
       attend_one(qp + b * H * D, kp, vp, bt + b * MB, lens[b], H, KVH, D, bs, sc,
-                 scores.data(), op + b * H * D);
+                 scores.data(), op + b * H * D, q0, q0 + per);
     }
   });
   return out;
@@ -233,7 +239,7 @@ def _build() -> DecodeAttention | None:
         from torch.utils.cpp_extension import load_inline
 
         load_inline(
-            name=f"dora_paged_attention_v6_{_cpu_tag()}",
+            name=f"dora_paged_attention_v7_{_cpu_tag()}",
             cpp_sources=[_SOURCE],
             extra_cflags=["-O3", "-march=native"],
             is_python_module=False,
