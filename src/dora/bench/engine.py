@@ -44,6 +44,9 @@ class Workload:
         return sum(self.lengths)
 
 
+WARM_SEQS = 64
+
+
 def make_workloads(
     quick: bool,
     longtail_requests: int = 256,
@@ -168,7 +171,9 @@ def cli(
         model, tok = build_model(preset, seed=0)
         with tempfile.TemporaryDirectory() as tmp:
             save_pretrained(model, Path(tmp), tok)
-            warm = Workload("warmup", [[7] * 8] * 4, [4] * 4)
+            # every decode batch size 1..64 once (kernels picked or JIT-built per shape),
+            # the same warmup as the vLLM child's
+            warm = Workload("warmup", [[7] * 8] * WARM_SEQS, list(range(1, WARM_SEQS + 1)))
             run_torch_engine(model, tok, warm)
             run_transformers(Path(tmp), warm)
             for work in make_workloads(quick, longtail_requests, clip):
@@ -208,6 +213,7 @@ def cli(
             "threads": torch.get_num_threads(),
             "columns": columns,  # cores and threads each implementation ran with
             "fast_forward": fast_forward.supported(),
+            "linear": "mkldnn" if fast_forward.mkldnn_linear_works() else "torch",
             "repeats": repeats,
             "vllm": note,
             "longtail_requests": longtail_requests,

@@ -194,8 +194,9 @@ def _child(directory: Path, job: Path, out: Path) -> None:
     def params(i: int, n: int) -> VSP:
         return VSP(temperature=1.0, top_p=1.0, top_k=0, max_tokens=n, ignore_eos=True, seed=i)
 
-    warm = [{"prompt_token_ids": [7] * 8} for _ in range(4)]
-    llm.generate(warm, [params(i, 4) for i in range(4)], use_tqdm=False)
+    # the parent's warmup: every decode batch size 1..64 once
+    warm = [{"prompt_token_ids": [7] * 8} for _ in range(MAX_NUM_SEQS)]
+    llm.generate(warm, [params(i, i + 1) for i in range(MAX_NUM_SEQS)], use_tqdm=False)
     requests = [{"prompt_token_ids": p} for p in prompts]
     sampling = [params(i, n) for i, n in enumerate(lengths)]
     start = time.perf_counter()
