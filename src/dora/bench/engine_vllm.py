@@ -57,6 +57,7 @@ class VllmRun:
     output_lengths: list[int]
     startup_s: float
     cpus: list[int] = field(default_factory=list)  # affinity the child reported
+    cpu_seconds: float = 0.0  # CPU time of the child and all its processes during generate
     omp_threads: int = 0  # torch threads in the child's front process
 
 
@@ -124,6 +125,7 @@ def generate_vllm(
         startup_s=float(result["startup_s"]),
         cpus=[int(c) for c in result.get("cpus", [])],
         omp_threads=int(result.get("torch_threads", 0)),
+        cpu_seconds=float(result.get("cpu_seconds", 0.0)),
     )
     wrong = [i for i, (g, n) in enumerate(zip(run.output_lengths, lengths, strict=True)) if g != n]
     if wrong:
@@ -168,6 +170,27 @@ def _vllm_env(
     return {k: v for k, v in env.items() if k not in os.environ}
 
 
+def tree_cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process and all its live descendants (from /proc):
+    vLLM's engine core runs in a grandchild, so the child's own ``process_time`` misses it."""
+    stats: dict[int, tuple[int, int]] = {}  # pid -> (parent, ticks)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+        except (OSError, ValueError, IndexError):  # exited meanwhile
+            continue
+    root = pid or os.getpid()
+    tree, grew = {root}, True
+    while grew:
+        more = {p for p, (parent, _) in stats.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return sum(stats[p][1] for p in tree if p in stats) / os.sysconf("SC_CLK_TCK")
+
+
 def _child(directory: Path, job: Path, out: Path) -> None:
     """Body of the child process: start vLLM, warm up, time ``generate``, write the result."""
     from vllm import LLM
@@ -199,15 +222,17 @@ def _child(directory: Path, job: Path, out: Path) -> None:
     llm.generate(warm, [params(i, i + 1) for i in range(MAX_NUM_SEQS)], use_tqdm=False)
     requests = [{"prompt_token_ids": p} for p in prompts]
     sampling = [params(i, n) for i, n in enumerate(lengths)]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), tree_cpu_seconds()
     outputs = llm.generate(requests, sampling, use_tqdm=False)
     seconds = time.perf_counter() - start
+    cpu_seconds = tree_cpu_seconds() - cpu
     import torch
 
     result = {
         "cpus": sorted(os.sched_getaffinity(0)),
         "torch_threads": torch.get_num_threads(),
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
         "startup_s": startup,
         "output_lengths": [len(o.outputs[0].token_ids) for o in outputs],
     }
