@@ -30,6 +30,8 @@ def test_warmstart_writes_and_reuses(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert directory == cache / config.key()
     result = read_result(directory)
     assert result["train"]["steps"] == 3
+    curve = result["train"]["loss_curve"]  # one mean per 10 steps: 3 steps -> one point
+    assert len(curve) == 1 and curve[0] == pytest.approx(result["train"]["final_loss"], abs=1e-4)
     assert 0.0 <= result["eval"]["accuracy"] <= 1.0 and result["eval"]["n"] == 4
     assert {"p50", "p90", "p99"} <= set(result["lengths"])
     model = load_pretrained(directory)

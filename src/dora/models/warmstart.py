@@ -220,6 +220,11 @@ def train(
         "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else 0.0,
         "final_loss": float(np.mean(losses[-10:])) if losses else float("nan"),
         "first_loss": losses[0] if losses else float("nan"),
+        # mean loss per 10 steps: shows when the copying circuit forms (the loss drop that a
+        # too-small budget never reaches), which final_loss alone hides
+        "loss_curve": [
+            round(float(np.mean(losses[i : i + 10])), 4) for i in range(0, len(losses), 10)
+        ],
     }
 
 
