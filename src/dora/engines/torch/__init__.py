@@ -3,7 +3,9 @@
 One concept per module: ``config`` (EngineConfig), ``sequence`` (a request's state),
 ``block_manager`` (KV blocks, refcounts, prefix cache), ``scheduler`` (continuous batching,
 chunked prefill, priority, preemption), ``attention`` + ``model_runner`` (the forward over one
-KV tensor), ``paged_kernel`` (compiled CPU decode attention reading K/V from the blocks),
+KV tensor), ``fast_forward`` (inference forward on fused, oneDNN-prepacked weights) +
+``cpu_ops`` (its compiled row-wise ops), ``paged_kernel`` (compiled CPU decode attention
+reading K/V from the blocks),
 ``sampler`` (deterministic sampling), ``stopping``, ``admission`` (request
 validation), ``migration`` (export/import), ``engine`` (``TorchEngine``, the step loop).
 """
