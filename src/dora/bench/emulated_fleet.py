@@ -54,6 +54,7 @@ from dora.bus import Bus, NatsBus
 from dora.engines.sim import cost_preset, workload_preset
 from dora.events import (
     BlobRef,
+    Ledger,
     Prompt,
     ScoredTrajectory,
     WeightVersion,
@@ -339,12 +340,11 @@ async def _run(cfg: EmulatedConfig, bus: NatsBus) -> EmulatedRun:
         async with workers.run(cfg, max_seqs, bus, seen):
             control = asyncio.create_task(controller.run(), name="controller")
             try:
-                try:
-                    await asyncio.wait_for(standin.run(), timeout=cfg.timeout_s)
-                except TimeoutError:
+                if not await _within(standin.run(), cfg.timeout_s):
                     workers.failures.append(
                         f"stalled: the learner took {len(learner.steps)} of {cfg.steps} steps "
-                        f"in {cfg.timeout_s:.0f} s wall ({len(samples)} samples scored)"
+                        f"in {cfg.timeout_s:.0f} s wall ({len(samples)} samples scored; "
+                        f"{await _ledger_line(bus)})"
                     )
                 if (
                     cfg.max_prompts is not None and not workers.failures
@@ -379,6 +379,35 @@ async def _run(cfg: EmulatedConfig, bus: NatsBus) -> EmulatedRun:
         engines=workers.engines,
         refusals=front.refusals,
     )
+
+
+async def _within(coro: Any, timeout_s: float, grace_s: float = 5.0) -> bool:
+    """Run ``coro`` for at most ``timeout_s``; False when it had to be cancelled.
+
+    Not ``asyncio.wait_for``: when the timeout and a nats-py fetch completing race, the
+    cancellation can be swallowed inside the client (seen on a loaded machine), and
+    ``wait_for`` then waits for the task forever; a stalled run must end as "stalled".
+    """
+    task = asyncio.ensure_future(coro)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if done:
+        task.result()  # raise what stopped it
+        return True
+    task.cancel()
+    await asyncio.wait({task}, timeout=grace_s)
+    return False
+
+
+async def _ledger_line(bus: Bus) -> str:
+    """The dispatcher's ledger in one line (what a stalled learner was waiting for)."""
+    raw = await bus.kv_get("ledger")
+    if not raw:
+        return "no ledger"
+    ledger = Ledger.model_validate_json(raw)
+    counts = " ".join(
+        f"v{c.version}:{c.dispatched}/{c.finished}/{c.consumed}" for c in ledger.versions
+    )
+    return f"ledger step {ledger.learner_step}, dispatched/finished/consumed {counts}"
 
 
 @dataclass
