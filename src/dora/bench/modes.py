@@ -31,6 +31,9 @@ def cli(
     time_scale: float = typer.Option(
         50.0, "--time-scale", help="Emulated seconds per wall-clock second (keep <= 50)."
     ),
+    staleness: int | None = typer.Option(
+        None, "--staleness", min=0, help="K for --task runs (default: the quickstart's)."
+    ),
     out: Path | None = typer.Option(None, "--out", help="Directory for JSON + PNG."),
 ) -> None:
     """Compare rollout modes on the same workload and seed (table + JSON + PNG)."""
@@ -39,8 +42,10 @@ def cli(
     if task is not None:
         from dora.bench.modes_task import run_task_comparison
 
-        run_task_comparison(task, chosen, seed_list, steps, out)
+        run_task_comparison(task, chosen, seed_list, steps, out, staleness)
         return
+    if staleness is not None:
+        raise typer.BadParameter("--staleness applies to --task runs (emulated: K=1)")
     if fleet != "emulated":
         raise typer.BadParameter("without --task only --fleet emulated is available")
     from dora.bench.modes_emulated import run_emulated_comparison

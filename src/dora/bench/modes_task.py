@@ -21,17 +21,23 @@ import yaml
 QUICKSTART = Path("pipelines/quickstart.yaml")
 
 
-def _spec(mode: str, seed: int, steps: int, task: str, every: int) -> dict[str, Any]:
+def _spec(
+    mode: str, seed: int, steps: int, task: str, every: int, staleness: int | None = None
+) -> dict[str, Any]:
     spec = yaml.safe_load(QUICKSTART.read_text())
     for entry in spec["stages"]:
         config = entry.setdefault("config", {})
         if entry["type"] == "rollout":
             config.update(mode=mode, seed=seed)
+            if staleness is not None:
+                config["staleness_bound"] = staleness
         elif entry["type"] == "learner":
             learner = config.setdefault("learner", {})
             learner.update(
                 max_steps=steps, checkpoint_every=every, keep_checkpoints=steps // every + 2
             )
+            if staleness is not None:
+                learner["staleness_bound"] = staleness
             config["eval"] = {**config.get("eval", {}), "task": task, "prompts": 0}
         elif entry["type"] == "prompt_source":
             config["task"] = task
@@ -61,20 +67,22 @@ def _evaluate(model_dir: Path, task: str, prompts: int, task_config: dict[str, A
     return float(scores.get("accuracy", 0.0))
 
 
-def _run_one(mode: str, seed: int, steps: int, task: str, out: Path) -> dict[str, Any]:
+def _run_one(
+    mode: str, seed: int, steps: int, task: str, out: Path, staleness: int | None
+) -> dict[str, Any]:
     from dora.learner.metrics import read_metrics
     from dora.pipeline import load_pipeline
 
     every = max(1, steps // 4)
     run_dir = out / f"{mode}-s{seed}"
     path = out / f"{mode}-s{seed}.yaml"
-    path.write_text(yaml.safe_dump(_spec(mode, seed, steps, task, every)))
+    spec = _spec(mode, seed, steps, task, every, staleness)
+    path.write_text(yaml.safe_dump(spec))
     pipeline = load_pipeline(path, run_id=f"bench-{mode}-s{seed}", run_dir=run_dir)
     started = time.time()
     asyncio.run(pipeline.run())
     metrics = read_metrics(run_dir)
     step_time = {m["step"] + 1: m["time"] - started for m in metrics}
-    spec = _spec(mode, seed, steps, task, every)
     rollout = next(e["config"] for e in spec["stages"] if e["type"] == "rollout")
     per_step = rollout["batch_groups"] * rollout["group_size"]
     return {
@@ -89,7 +97,12 @@ def _run_one(mode: str, seed: int, steps: int, task: str, out: Path) -> dict[str
 
 
 def run_task_comparison(
-    task: str, modes: list[str], seeds: list[int], steps: int, out: Path | None
+    task: str,
+    modes: list[str],
+    seeds: list[int],
+    steps: int,
+    out: Path | None,
+    staleness: int | None = None,
 ) -> None:
     """Train each mode per seed, evaluate the checkpoints, print + save table and PNG."""
     from dora.bench.report import print_table, save_rows
@@ -97,7 +110,7 @@ def run_task_comparison(
     out = out or Path("runs/bench") / f"modes-{task}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     eval_prompts = 128
-    runs = [_run_one(mode, seed, steps, task, out) for seed in seeds for mode in modes]
+    runs = [_run_one(mode, seed, steps, task, out, staleness) for seed in seeds for mode in modes]
     rows = []
     start_dir = _start_model(out, modes[0], seeds[0], task)
     source = next(
@@ -123,7 +136,9 @@ def run_task_comparison(
             )
     print_table(f"dora bench modes --task {task} (warm start accuracy {start_acc:.3f})", rows)
     saved = save_rows(
-        f"modes-{task}", rows, meta={"start_accuracy": start_acc, "steps": steps, "seeds": seeds}
+        f"modes-{task}",
+        rows,
+        meta={"start_accuracy": start_acc, "steps": steps, "seeds": seeds, "staleness": staleness},
     )
     (out / "rows.json").write_text(json.dumps(rows, indent=2))
     _plot(rows, start_acc, out / "modes-task.png")
