@@ -10,6 +10,7 @@ import asyncio
 
 from dora.bus import Bus, ConsumerSpec
 from dora.events import AssignVersion, RolloutRequest, Trajectory
+from dora.rollout.generator import request_queue_spec
 from dora.rollout.partial import RESUME_PRIORITY
 from tests.fakes import fake_request
 from tests.integration.test_generator import collect, generator, running, until
@@ -60,3 +61,25 @@ async def test_interrupted_requests_resume_before_newer_queued_ones(bus: Bus) ->
     assert by_id["r6"].version == 1 and by_id["r6"].reprefilled_tokens == 0
     assert gen.engine.loads == [0, 1]
     assert gen.stats.resubmitted == 2
+
+
+async def test_a_handed_back_old_version_request_is_still_resumed(bus: Bus) -> None:
+    """A request another engine pulled and handed back (nak) counts as delivered, not pending:
+    the backlog must still fetch it, or it is never generated after every engine moved on."""
+    await bus.consumer(ConsumerSpec("audit", bus.subjects.trajectories))
+    gen = generator(bus, "e0", mode="partial", max_running=1)
+    gen.engine.freeze_at = 3
+    await bus.publish_event(bus.subjects.requests(0), fake_request(1, max_tokens=5))
+    async with running(gen):
+        await until(lambda: any(len(s.tokens) == 3 for s in gen.engine.running.values()))
+        await bus.publish_event(bus.subjects.requests(0), fake_request(7, max_tokens=3))
+        other = await bus.consumer(request_queue_spec(bus.subjects, 0))  # a second engine
+        (msg,) = await other.fetch(batch=1, timeout=2.0)
+        await msg.nak()  # reassigned mid-fetch: handed back
+        assert (await other.state()).depth == 2  # r1 held by e0, r7 handed back
+        await assign(bus, "e0", 1)
+        gen.engine.freeze_at = None
+        got = await collect(bus, 2)
+    by_id = {t.request.request_id: t for t in got}
+    assert sorted(by_id) == ["r1", "r7"]  # the handed-back request was generated, not stranded
+    assert by_id["r7"].version == 1

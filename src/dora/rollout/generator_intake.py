@@ -59,9 +59,12 @@ class RequestIntake(GeneratorBase):
             state = await consumer.state()
             if state.depth == 0 and old < version - 1:
                 self._backlog.discard(old)
-            if state.pending == 0:
+            if state.depth == 0:
                 continue
-            msgs = await consumer.fetch(batch=room, timeout=self.config.fetch_timeout_s / 10)
+            # A request handed back (nak) is "delivered" to NATS, not pending: it shows only in
+            # the depth, mixed with requests engines hold. Look for it with a short fetch.
+            wait = self.config.fetch_timeout_s / (10 if state.pending else 100)
+            msgs = await consumer.fetch(batch=room, timeout=wait)
             for msg in msgs:
                 await self._admit(msg, version, old)
             if msgs:
