@@ -389,3 +389,5 @@ async def test_depth_counts_naked_and_unacked_work(bus: Bus) -> None:
     await msgs[1].ack(wait=True)
     state = await consumer.state()
     assert state.depth == 3
+    # a handed-back message counts as delivered-not-acked, not as never delivered (JetStream)
+    assert (state.pending, state.ack_pending) == (2, 1)

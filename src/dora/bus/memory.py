@@ -257,9 +257,12 @@ class _MemoryConsumer(Consumer):
         pending = sum(
             1 for seq, m in stream.messages.items() if seq > rec.delivered_upto and rec.wants(m)
         )
-        pending += len(rec.ready)
+        # as JetStream: a message handed back (nak) or past its ack wait stays "ack pending"
+        # until it is delivered again, it does not return to the undelivered count
         return ConsumerState(
-            pending=pending, ack_pending=len(rec.unacked), redelivered=rec.redelivered
+            pending=pending,
+            ack_pending=len(rec.unacked) + len(rec.ready),
+            redelivered=rec.redelivered,
         )
 
     async def close(self) -> None:
