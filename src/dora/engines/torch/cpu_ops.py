@@ -13,15 +13,13 @@ runs the model's own forward.
 
 from __future__ import annotations
 
-import os
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 import torch
 
-from dora.engines.torch.paged_kernel import _cpu_tag
+from dora.engines.torch.cpp_build import load_extension
 
 log = structlog.get_logger(__name__)
 
@@ -190,34 +188,11 @@ class CpuOps:
     silu_mul: Any
 
 
-_lock = threading.Lock()
-_state: dict[str, CpuOps | None] = {}
-
-
-def _build() -> CpuOps | None:
-    if os.environ.get("DORA_CPU_OPS", "1") == "0":
-        log.info("cpu_ops_disabled", reason="DORA_CPU_OPS=0")
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        load_inline(
-            name=f"dora_cpu_ops_v2_{_cpu_tag()}",
-            cpp_sources=[_SOURCE],
-            extra_cflags=["-O3", "-march=native"],
-            is_python_module=False,
-            verbose=False,
-        )
-        ns = torch.ops.dora_cpu_ops
-        return CpuOps(ns.rms_norm, ns.add_rms_norm, ns.rope_, ns.silu_mul)
-    except Exception as exc:  # no compiler, no ninja, unsupported platform
-        log.warning("cpu_ops_unavailable", error=f"{type(exc).__name__}: {exc}"[:300])
-        return None
-
-
 def load() -> CpuOps | None:
     """The compiled ops, or None when they cannot be built here."""
-    with _lock:
-        if "ops" not in _state:
-            _state["ops"] = _build()
-        return _state["ops"]
+
+    def bind() -> CpuOps:
+        ns = torch.ops.dora_cpu_ops
+        return CpuOps(ns.rms_norm, ns.add_rms_norm, ns.rope_, ns.silu_mul)
+
+    return load_extension("dora_cpu_ops_v2", _SOURCE, "DORA_CPU_OPS", bind)

@@ -15,15 +15,13 @@ order, so a sequence's output does not depend on the rest of the batch.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import platform
-import threading
 from collections.abc import Callable
 
 import structlog
 import torch
 from torch import Tensor
+
+from dora.engines.torch.cpp_build import load_extension
 
 log = structlog.get_logger(__name__)
 
@@ -215,45 +213,12 @@ TORCH_LIBRARY_IMPL(dora_paged, CPU, m) { m.impl("decode_attention", &decode_atte
 
 DecodeAttention = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
 
-_lock = threading.Lock()
-_state: dict[str, DecodeAttention | None] = {}
-
-
-def _cpu_tag() -> str:
-    """Short hash of the CPU's features: the build uses -march=native, so a cached build must
-    never be loaded on a different CPU (it could hit an illegal instruction)."""
-    flags = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags += platform.processor()
-    return hashlib.sha256(flags.encode()).hexdigest()[:10]
-
-
-def _build() -> DecodeAttention | None:
-    if os.environ.get("DORA_PAGED_KERNEL", "1") == "0":
-        log.info("paged_kernel_disabled", reason="DORA_PAGED_KERNEL=0")
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        load_inline(
-            name=f"dora_paged_attention_v7_{_cpu_tag()}",
-            cpp_sources=[_SOURCE],
-            extra_cflags=["-O3", "-march=native"],
-            is_python_module=False,
-            verbose=False,
-        )
-        return torch.ops.dora_paged.decode_attention  # type: ignore[no-any-return]
-    except Exception as exc:  # no compiler, no ninja, unsupported platform: use torch
-        log.warning("paged_kernel_unavailable", error=f"{type(exc).__name__}: {exc}"[:300])
-        return None
-
 
 def load() -> DecodeAttention | None:
     """The compiled ``decode_attention`` op, or None when it cannot be built here."""
-    with _lock:
-        if "op" not in _state:
-            _state["op"] = _build()
-        return _state["op"]
+    return load_extension(
+        "dora_paged_attention_v7",
+        _SOURCE,
+        "DORA_PAGED_KERNEL",
+        lambda: torch.ops.dora_paged.decode_attention,
+    )

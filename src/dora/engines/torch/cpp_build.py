@@ -1,0 +1,65 @@
+"""Build-once loading of the engine's inline C++ extensions (paged attention, row ops).
+
+Both are compiled with ``-march=native`` on first use and cached by torch under
+``~/.cache/torch_extensions``; the build name carries a hash of the CPU's features so a cached
+build is never loaded on a CPU that lacks its instructions. Without a compiler (or with the
+extension's environment switch set to ``0``) the caller gets None and uses its torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_built: dict[str, object] = {}
+
+
+def cpu_tag() -> str:
+    """Short hash of the CPU's features (part of every build name)."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags += platform.processor()
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+def load_extension(name: str, source: str, switch: str, bind: Callable[[], T]) -> T | None:
+    """``bind()`` after compiling ``source`` as ``name`` (once per process), or None when
+    ``$switch`` is ``0`` or the build fails (logged, never raised)."""
+    with _lock:
+        if name not in _built:
+            _built[name] = _compile(name, source, switch, bind)
+        return _built[name]  # type: ignore[return-value]
+
+
+def _compile(name: str, source: str, switch: str, bind: Callable[[], T]) -> T | None:
+    if os.environ.get(switch, "1") == "0":
+        log.info("extension_disabled", extension=name, reason=f"{switch}=0")
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        load_inline(
+            name=f"{name}_{cpu_tag()}",
+            cpp_sources=[source],
+            extra_cflags=["-O3", "-march=native"],
+            is_python_module=False,
+            verbose=False,
+        )
+        return bind()
+    except Exception as exc:  # no compiler, no ninja, unsupported platform: use torch
+        log.warning("extension_unavailable", extension=name, error=f"{exc!r}"[:300])
+        return None
