@@ -362,5 +362,7 @@ async def test_stop_hands_back_held_messages_at_once(bus: MemoryBus) -> None:
     while runner.stats.in_flight < 3:
         await asyncio.sleep(0.01)
     await asyncio.wait_for(runner.stop(), timeout=10.0)  # not the 60 s drain timeout
-    state = await (await bus.consumer(runner.consumer_spec())).state()
-    assert state.ack_pending == 0 and state.pending == 3  # back in the queue, none lost
+    consumer = await bus.consumer(runner.consumer_spec())
+    assert (await consumer.state()).depth == 3  # none lost
+    again = await consumer.fetch(batch=3, timeout=1.0)
+    assert len(again) == 3  # handed back (nak): deliverable now, not after the ack wait
