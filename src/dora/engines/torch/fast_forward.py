@@ -19,6 +19,7 @@ untouched. fp32 on CPU only; anything else uses the model's own forward.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import structlog
@@ -66,8 +67,10 @@ def supported(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
     )
 
 
+@functools.cache
 def mkldnn_linear_works() -> bool:
-    """True when oneDNN's packed linear runs here and matches ``F.linear`` on a probe."""
+    """True when oneDNN's packed linear runs here and matches ``F.linear`` on a probe (probed
+    once per process, not once per engine)."""
     try:
         gen = torch.Generator().manual_seed(0)
         w = torch.randn(48, 32, generator=gen)
