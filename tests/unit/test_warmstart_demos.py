@@ -48,3 +48,70 @@ def test_shortcut_fraction_enters_the_cache_key_only_when_set() -> None:
     base = WarmstartConfig(steps=10)
     assert WarmstartConfig(steps=10, shortcut_fraction=0.0).key() == base.key()
     assert WarmstartConfig(steps=10, shortcut_fraction=0.5).key() != base.key()
+
+
+def test_guess_shortcuts_state_a_made_up_answer_of_the_possible_size() -> None:
+    task = make_task("arithmetic", seed=0, min_terms=2, max_terms=6)
+    prompts = list(task.prompts("train", 2000))
+    demos = [demonstration(task, p, 0.5, seed=0, shortcut="guess") for p in prompts]
+    guesses = [(d, p) for d, p in zip(demos, prompts, strict=True) if "\n" not in d]
+    assert 0.45 < len(guesses) / len(demos) < 0.55
+    values = [int(d.removeprefix("answer: ")) for d, _ in guesses]
+    sizes = [int(p.metadata["num_terms"]) for _, p in guesses]
+    assert all(n <= v <= 9 * n for v, n in zip(values, sizes, strict=True))
+    # a guess, not the answer: right only by chance (about 1 in 8n possible totals)
+    right = sum(str(v) == p.answer for v, (_, p) in zip(values, guesses, strict=True))
+    assert right / len(guesses) < 0.15
+    assert len(set(values)) > 20
+    # the same draw decides shortcut or not as with answer shortcuts; full demos unchanged
+    answers = [demonstration(task, p, 0.5, seed=0) for p in prompts]
+    assert ["\n" in d for d in demos] == ["\n" in d for d in answers]
+    assert all(d == task.solve(p) for d, p in zip(demos, prompts, strict=True) if "\n" in d)
+
+
+def test_guess_line_without_a_task_guess_redraws_the_digits() -> None:
+    import random
+
+    from dora.models.warmstart import guess_line
+
+    task = make_task("countdown", seed=0)
+    prompt = next(task.prompts("train", 1))
+    lines = {guess_line(task, prompt, "answer: 407", random.Random(i)) for i in range(50)}
+    assert all(
+        x.startswith("answer: ") and len(x) == len("answer: 407") and x[8] != "0" for x in lines
+    )
+    assert len(lines) > 40
+
+
+def test_guess_shortcut_enters_the_cache_key_only_when_set() -> None:
+    from dora.models.warmstart import WarmstartConfig
+
+    base = WarmstartConfig(steps=10, shortcut_fraction=0.5)
+    assert WarmstartConfig(steps=10, shortcut_fraction=0.5, shortcut="answer").key() == base.key()
+    assert WarmstartConfig(steps=10, shortcut_fraction=0.5, shortcut="guess").key() != base.key()
+
+
+def test_shortcut_start_keeps_the_early_batches_free_of_shortcuts() -> None:
+    task = make_task("arithmetic", seed=0, min_terms=2, max_terms=4)
+    tok = CharTokenizer.build()
+    batches = packed_batches(
+        task, tok, rows=2, row_tokens=256, shortcut_fraction=0.9, shortcut="guess",
+        shortcut_start=3,
+    )  # fmt: skip
+
+    def completions(ids: torch.Tensor, seg: torch.Tensor, mask: torch.Tensor) -> list[str]:
+        out = []
+        for r in range(ids.shape[0]):
+            for s in seg[r].unique().tolist():
+                where = (seg[r] == s).nonzero().flatten()
+                if mask[r, where].any():
+                    out.append(tok.decode(ids[r, where][mask[r, where]].tolist()))
+        return out
+
+    early = [c for _ in range(3) for c in completions(*next(batches))]
+    late = [c for _ in range(3) for c in completions(*next(batches))]
+    assert early
+    assert all("=" in c for c in early)  # every early demonstration works the problem out
+    bare = [c for c in late if "=" not in c]
+    assert len(bare) > len(late) // 2
+    assert all(c.startswith("answer: ") for c in bare)

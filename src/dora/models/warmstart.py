@@ -10,15 +10,17 @@ directory under a hash of its config so every later run reuses it.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
 import random
+import re
 import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import structlog
@@ -60,7 +62,18 @@ class WarmstartConfig(BaseModel):
         default=0.0,
         ge=0.0,
         lt=1.0,
-        description="Share of demonstrations that give only the answer line, no scratchpad.",
+        description="Share of demonstrations that give only an answer line, no scratchpad.",
+    )
+    shortcut: Literal["answer", "guess"] = Field(
+        default="answer",
+        description="What a shortcut demonstration answers: the right answer, or a guess.",
+    )
+    shortcut_start: int = Field(
+        default=0,
+        ge=0,
+        description="First step whose demonstrations include shortcuts: a late start lets the "
+        "policy learn to solve on the whole early budget, then pick up the habit of answering "
+        "without working, as a base model tuned on a little lazy data.",
     )
     seed: int = 0
     eval_prompts: int = Field(default=128, ge=0)
@@ -73,6 +86,9 @@ class WarmstartConfig(BaseModel):
         data = self.model_dump()
         if not data["shortcut_fraction"]:  # added later: off keeps existing cache keys valid
             del data["shortcut_fraction"]
+        for name, default in (("shortcut", "answer"), ("shortcut_start", 0)):
+            if data[name] == default:  # added later: the default keeps cache keys valid
+                del data[name]
         canon = json.dumps({"v": FORMAT_VERSION, **data}, sort_keys=True)
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
@@ -93,16 +109,44 @@ def encode_example(tokenizer: CharTokenizer, prompt: str, completion: str) -> tu
     return head + tokenizer.encode(completion, add_eos=True), len(head)
 
 
-def demonstration(task: Task, prompt: Prompt, shortcut_fraction: float, seed: int) -> str:
-    """The reference solution, or with probability ``shortcut_fraction`` only its last line.
+def demonstration(
+    task: Task,
+    prompt: Prompt,
+    shortcut_fraction: float,
+    seed: int,
+    shortcut: Literal["answer", "guess"] = "answer",
+) -> str:
+    """The reference solution or, with probability ``shortcut_fraction``, a bare answer line.
 
     A teacher that sometimes answers without showing its work gives a policy that holds both
-    behaviours: the shortcut is right on easy problems and mostly wrong on long ones, so RL
-    has a behaviour worth selecting (reasoning) — the situation of a real base model.
+    behaviours, so RL has a behaviour worth selecting (working the problem out), the situation
+    of a real base model that often answers off the cuff. ``answer`` shortcuts state the right
+    answer (a tiny model learns to sum short problems in one go about as well as with the
+    scratchpad, so there is little to select); ``guess`` shortcuts state a made-up answer of
+    the right size, so the bare answer is almost always wrong and the scratchpad is the only
+    way to be right.
     """
     full = task.solve(prompt)
-    draw = random.Random(f"{seed}:{prompt.prompt_id}").random()
-    return full.rsplit("\n", 1)[-1] if draw < shortcut_fraction else full
+    rng = random.Random(f"{seed}:{prompt.prompt_id}")
+    if rng.random() >= shortcut_fraction:
+        return full
+    last = full.rsplit("\n", 1)[-1]
+    return last if shortcut == "answer" else guess_line(task, prompt, last, rng)
+
+
+def guess_line(task: Task, prompt: Prompt, last_line: str, rng: random.Random) -> str:
+    """The answer line with a made-up answer: the task's own ``guess`` if it has one, else the
+    reference line with every digit redrawn (same length, no new leading zero)."""
+    own = getattr(task, "guess", None)
+    if own is not None:
+        return str(own(prompt, rng))
+
+    def redraw(match: re.Match[str]) -> str:
+        digits = match.group(0)
+        first = str(rng.randint(1, 9)) if len(digits) > 1 else str(rng.randint(0, 9))
+        return first + "".join(str(rng.randint(0, 9)) for _ in digits[1:])
+
+    return re.sub(r"\d+", redraw, last_line)
 
 
 def packed_batches(
@@ -112,15 +156,19 @@ def packed_batches(
     row_tokens: int,
     shortcut_fraction: float = 0.0,
     seed: int = 0,
+    shortcut: Literal["answer", "guess"] = "answer",
+    shortcut_start: int = 0,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Endless ``(ids, segment_ids, loss_mask)`` batches of ``rows x row_tokens`` tokens.
 
     Whole examples are packed greedily into rows (an example never spans two rows); the loss
-    mask marks completion tokens, so prompts and padding carry no loss.
+    mask marks completion tokens, so prompts and padding carry no loss. Batches before
+    ``shortcut_start`` draw no shortcut demonstrations.
     """
     index = 0
     pending: tuple[list[int], int] | None = None
-    while True:
+    for batch in itertools.count():
+        fraction = shortcut_fraction if batch >= shortcut_start else 0.0
         ids = torch.full((rows, row_tokens), tokenizer.pad_token_id, dtype=torch.long)
         seg = torch.zeros((rows, row_tokens), dtype=torch.long)
         mask = torch.zeros((rows, row_tokens), dtype=torch.bool)
@@ -130,7 +178,7 @@ def packed_batches(
                 if pending is None:
                     p = task.prompt("train", index)
                     index += 1
-                    text = demonstration(task, p, shortcut_fraction, seed)
+                    text = demonstration(task, p, fraction, seed, shortcut)
                     seq, start = encode_example(tokenizer, p.text, text)
                     pending = (seq[:row_tokens], start)
                 seq, start = pending
@@ -182,7 +230,14 @@ def train(
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(config))
     batches = packed_batches(
-        task, tokenizer, rows, config.row_tokens, config.shortcut_fraction, config.seed
+        task,
+        tokenizer,
+        rows,
+        config.row_tokens,
+        config.shortcut_fraction,
+        config.seed,
+        config.shortcut,
+        config.shortcut_start,
     )
     model.train()
     losses: list[float] = []

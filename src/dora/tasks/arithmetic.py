@@ -31,6 +31,7 @@ prompt (~250K tokens), not the arithmetic.
 from __future__ import annotations
 
 import itertools
+import random
 import re
 from typing import Literal
 
@@ -141,6 +142,14 @@ class ArithmeticTask(BaseTask):
         """The sum of ``terms``, reduced by the modulus when one is set."""
         total = sum(terms)
         return total % self.config.modulus if self.config.modulus else total
+
+    def guess(self, prompt: Prompt, rng: random.Random) -> str:
+        """An answer line with a made-up total drawn uniformly from the possible ones: what a
+        warm-start teacher that answers without working writes (see ``shortcut: guess``)."""
+        c = self.config
+        n = len(parse_terms(prompt))
+        low, high = (0, c.modulus - 1) if c.modulus else (n * c.min_value, n * c.max_value)
+        return f"answer: {rng.randint(low, high)}"
 
     def solve(self, prompt: Prompt) -> str:
         """The reference scratchpad completion (without the end-of-sequence token)."""
