@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 from typer.testing import CliRunner
 
 from dora import events
 from dora.report import load_run, render_report, staleness, summarize
+from dora.report.palette import IDLE, MAX_LEGEND_VERSIONS, VersionColors
+from dora.report.plots import report_figure
+from dora.report.summary import version_ranges
 
 T0 = 1_000.0
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -236,3 +243,115 @@ def test_cli(tmp_path: Path) -> None:
     )
     missing = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])
     assert missing.exit_code == 2
+
+
+def make_long_run(run_dir: Path, versions: int = 40) -> Path:
+    """2 engines stepping through ``versions`` versions, 2 s each: a long main-job run."""
+    ev = run_dir / "events"
+    _write(
+        ev / "status.jsonl",
+        [
+            _status(engine, t / 2, int(t / 4), "serving", running=2)
+            for t in range(4 * versions)
+            for engine in ("e0", "e1")
+        ],
+    )
+    trajs = [_trajectory(f"g{v}", i, v, 2 * v) for v in range(versions) for i in range(2)]
+    _write(ev / "trajectories.jsonl", trajs)
+    _write(
+        ev / "scored.jsonl",
+        [
+            events.ScoredTrajectory(
+                trajectory=t, reward=0.5, correct=True, created_at=t.created_at + 0.1
+            )
+            for t in trajs
+        ],
+    )
+    _write(
+        ev / "weights.jsonl",
+        [
+            events.WeightVersion(
+                version=v, blob=events.BlobRef(name=f"w{v}", size=1), checksum="x",
+                step=v - 1, created_at=T0 + 2 * v - 0.5,
+            )
+            for v in range(1, versions)
+        ],
+    )  # fmt: skip
+    _write(
+        ev / "metrics.jsonl",
+        [
+            events.Metrics(
+                step=s,
+                values={"reward/mean": 0.5, "throughput/tokens_per_s": 400.0},
+                consumed_groups=(f"g{max(s - 1, 0)}",),
+                created_at=T0 + 2 * s + 1,
+            )
+            for s in range(versions)
+        ],
+    )
+    return run_dir
+
+
+def _layout_problems(fig: Figure) -> list[str]:
+    """Panels (with their titles, labels, legends) that leave the figure or overlap."""
+    FigureCanvasAgg(fig)
+    fig.draw_without_rendering()
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    boxes = [(ax, ax.get_tightbbox(renderer)) for ax in fig.axes]
+    boxes.append((None, fig.get_suptitle() and fig._suptitle.get_window_extent(renderer)))
+    problems = []
+    for ax, box in boxes:
+        name = "suptitle" if ax is None else ax.get_title(loc="left") or "axes"
+        if not fig.bbox.padded(1).contains(box.x0, box.y0) or not fig.bbox.padded(1).contains(
+            box.x1, box.y1
+        ):
+            problems.append(f"{name} leaves the figure")
+    for (a, box_a), (b, box_b) in itertools.combinations(boxes, 2):
+        twins = (
+            a is not None and b is not None and a.get_position().bounds == b.get_position().bounds
+        )
+        if not twins and box_a.overlaps(box_b):
+            problems.append(
+                f"{a and a.get_title(loc='left')} overlaps {b and b.get_title(loc='left')}"
+            )
+    return problems
+
+
+def _legend_labels(fig: Figure) -> list[str]:
+    return [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+
+
+def test_small_run_layout_and_legends(tmp_path: Path) -> None:
+    """A few versions: a legend entry per version, and no panel overlaps another."""
+    fig = report_figure(load_run(make_run(tmp_path)))
+    assert _layout_problems(fig) == []
+    labels = _legend_labels(fig)
+    assert {"v0", "v1", "v0 running", "v1 running"} <= set(labels)
+
+
+def test_long_run_uses_a_colorbar(tmp_path: Path) -> None:
+    """Many versions: one colorbar, no per-version legend entries or labels, no overlaps."""
+    run = load_run(make_long_run(tmp_path, versions=40))
+    assert len(summarize(run).versions) == 40
+    fig = report_figure(run)
+    assert _layout_problems(fig) == []
+    assert not [label for label in _legend_labels(fig) if re.match(r"v\d+", label)]
+    colorbars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
+    assert len(colorbars) == 1
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert not [t for t in texts if t.startswith("+")]  # no per-version lag labels
+    assert render_report(run).read_bytes().startswith(PNG_MAGIC)
+
+
+def test_version_colors() -> None:
+    few, many = VersionColors([3, 1, 1]), VersionColors(list(range(MAX_LEGEND_VERSIONS + 1)))
+    assert [h.get_label() for h in few.handles()] == ["v1", "v3"] and not few.continuous
+    assert many.continuous and many.handles() == []
+    assert few(None) == many(None) == IDLE and few(1) != few(3)
+
+
+def test_version_ranges() -> None:
+    assert version_ranges(()) == "-"
+    assert version_ranges((4,)) == "v4"
+    assert version_ranges(tuple(range(151))) == "v0-v150 (151)"
+    assert version_ranges((0, 1, 2, 5, 7, 8)) == "v0-v2, v5, v7-v8 (6)"

@@ -144,9 +144,8 @@ def _reward_time(ax: Axes, run: RunData, t0: float) -> None:
     ax.set_title("Reward vs wall clock", loc="left", fontsize=11)
 
 
-def render_report(run: RunData, out: Path | str | None = None) -> Path:
-    """Draw every panel into ``out`` (default ``<run_dir>/report.png``); returns the path."""
-    out = Path(out) if out is not None else run.run_dir / "report.png"
+def report_figure(run: RunData) -> Figure:
+    """Every panel of the report on one laid-out ``Figure`` (what ``render_report`` saves)."""
     t0 = run.t0
     versions = [t.version for t in run.trajectories] + [w.version for w in run.weights]
     versions += [s.version for s in run.status if s.version is not None]
@@ -159,12 +158,11 @@ def render_report(run: RunData, out: Path | str | None = None) -> Path:
     layout = ConstrainedLayoutEngine(h_pad=0.08, w_pad=0.08, hspace=0.04, wspace=0.04)
     fig = Figure(figsize=(15, top + 3 * 3.6), layout=layout)
     grid = fig.add_gridspec(4, 2, height_ratios=[top, 3.6, 3.6, 3.6])
-    coloured = [fig.add_subplot(grid[0, :]), fig.add_subplot(grid[1, 0])]
-    coloured.append(fig.add_subplot(grid[1, 1]))
-    engines_panel(coloured[0], run, pal, t0)
-    load_panel(coloured[1], run, pal, t0)
-    versions_panel(coloured[2], run, pal, t0)
-    pal.colorbar(fig, coloured[0])
+    engines_ax = fig.add_subplot(grid[0, :])
+    engines_panel(engines_ax, run, pal, t0)
+    load_panel(fig.add_subplot(grid[1, 0]), run, pal, t0)
+    versions_panel(fig.add_subplot(grid[1, 1]), run, pal, t0)
+    pal.colorbar(fig, engines_ax)
     _staleness(fig.add_subplot(grid[2, 0]), run)
     _throughput(fig.add_subplot(grid[2, 1]), run, t0)
     _reward_step(fig.add_subplot(grid[3, 0]), run)
@@ -176,6 +174,13 @@ def render_report(run: RunData, out: Path | str | None = None) -> Path:
         f"{s.reprefilled_tokens} re-prefilled tokens, {s.learner_steps} learner steps",
         fontsize=13,
     )
+    return fig
+
+
+def render_report(run: RunData, out: Path | str | None = None) -> Path:
+    """Draw every panel into ``out`` (default ``<run_dir>/report.png``); returns the path."""
+    out = Path(out) if out is not None else run.run_dir / "report.png"
+    fig = report_figure(run)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     return out

@@ -11,6 +11,20 @@ def _num(value: float | None, fmt: str = "{:.3f}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def version_ranges(versions: tuple[int, ...] | list[int]) -> str:
+    """``v0-v150`` rather than 151 names: consecutive versions collapse into one range."""
+    if not versions:
+        return "-"
+    runs: list[list[int]] = []
+    for v in sorted(set(versions)):
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    text = ", ".join(f"v{a}" if a == b else f"v{a}-v{b}" for a, b in runs)
+    return text if len(set(versions)) < 2 else f"{text} ({len(set(versions))})"
+
+
 def summary_table(s: Summary, title: str = "run") -> Table:
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("what")
@@ -18,7 +32,7 @@ def summary_table(s: Summary, title: str = "run") -> Table:
     stale_note = {"groups": "per trajectory", "metrics": "learner's staleness/*"}.get(
         s.staleness_source, "no data"
     )
-    versions = ", ".join(f"v{v}" for v in s.versions) if s.versions else "-"
+    versions = version_ranges(s.versions)
     rows = [
         ("duration (s)", f"{s.duration_s:.1f}"),
         ("engines", str(s.engines)),
