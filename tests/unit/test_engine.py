@@ -279,3 +279,17 @@ def test_from_pretrained_and_load_weights_from_path(tmp_path) -> None:  # type: 
     assert out.version == 1 and out.completion_token_ids != ref.completion_token_ids
     with pytest.raises(EngineError, match="cannot load weights"):
         engine.load_weights(2, tmp_path / "missing")
+
+
+def test_kv_cache_in_huge_page_memory_is_plain_zeros() -> None:
+    """The KV tensor (huge-page advised where the OS allows) is zeros, writable, contiguous."""
+    from dora.engines.torch.model_runner import zeros_huge_pages
+
+    for shape in [(2, 3), (4, 2, 64, 16, 2, 64)]:  # below and above the 2 MiB threshold
+        t = zeros_huge_pages(shape, torch.float32)
+        assert t.shape == shape and t.dtype == torch.float32 and t.is_contiguous()
+        assert not t.any()
+        t.view(-1)[-1] = 3.0
+        assert float(t.sum()) == 3.0
+    engine = make_engine()
+    assert engine.runner.kv_cache.is_contiguous() and not engine.runner.kv_cache.any()
