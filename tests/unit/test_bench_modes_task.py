@@ -19,6 +19,7 @@ def test_spec_sets_mode_seed_steps_and_staleness_everywhere() -> None:
     assert rollout["mode"] == "sync" and rollout["seed"] == 3
     assert rollout["staleness_bound"] == 1 and learner["learner"]["staleness_bound"] == 1
     assert learner["learner"]["max_steps"] == 8 and learner["learner"]["checkpoint_every"] == 2
+    assert learner["learner"]["optim"]["total_steps"] == 8  # the quickstart's cosine spans it
 
 
 def test_spec_keeps_the_quickstart_staleness_by_default() -> None:

@@ -36,6 +36,9 @@ def _spec(
             learner.update(
                 max_steps=steps, checkpoint_every=every, keep_checkpoints=steps // every + 2
             )
+            optim = learner.get("optim", {})
+            if "total_steps" in optim:  # the LR schedule spans the run, however long it is
+                learner["optim"] = {**optim, "total_steps": steps}
             if staleness is not None:
                 learner["staleness_bound"] = staleness
             config["eval"] = {**config.get("eval", {}), "task": task, "prompts": 0}
