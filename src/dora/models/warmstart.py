@@ -84,10 +84,9 @@ class WarmstartConfig(BaseModel):
     def key(self) -> str:
         """Cache key: hash of the config and the training-code version."""
         data = self.model_dump()
-        if not data["shortcut_fraction"]:  # added later: off keeps existing cache keys valid
-            del data["shortcut_fraction"]
-        for name, default in (("shortcut", "answer"), ("shortcut_start", 0)):
-            if data[name] == default:  # added later: the default keeps cache keys valid
+        added_later = {"shortcut_fraction": 0.0, "shortcut": "answer", "shortcut_start": 0}
+        for name, default in added_later.items():
+            if data[name] == default:  # fields added later: defaults keep cache keys valid
                 del data[name]
         canon = json.dumps({"v": FORMAT_VERSION, **data}, sort_keys=True)
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
