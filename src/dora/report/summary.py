@@ -15,14 +15,15 @@ def version_ranges(versions: tuple[int, ...] | list[int]) -> str:
     """``v0-v150`` rather than 151 names: consecutive versions collapse into one range."""
     if not versions:
         return "-"
+    distinct = sorted(set(versions))
     runs: list[list[int]] = []
-    for v in sorted(set(versions)):
+    for v in distinct:
         if runs and v == runs[-1][1] + 1:
             runs[-1][1] = v
         else:
             runs.append([v, v])
     text = ", ".join(f"v{a}" if a == b else f"v{a}-v{b}" for a, b in runs)
-    return text if len(set(versions)) < 2 else f"{text} ({len(set(versions))})"
+    return text if len(distinct) < 2 else f"{text} ({len(distinct)})"
 
 
 def summary_table(s: Summary, title: str = "run") -> Table:

@@ -21,7 +21,7 @@ from dora.report.derive import (
     version_timeline,
 )
 from dora.report.load import RunData
-from dora.report.palette import MAX_LEGEND_VERSIONS, VersionColors
+from dora.report.palette import VersionColors
 
 _QUEUE = re.compile(r"^queue/v(\d+)$")
 TIME = "time since start (s)"
@@ -172,7 +172,7 @@ def versions_panel(ax: Axes, run: RunData, pal: VersionColors, t0: float) -> Non
     if not lives:
         no_data(ax, title)
         return
-    many = pal.continuous or len(lives) > MAX_LEGEND_VERSIONS
+    many = pal.continuous  # the palette saw every version the timeline has
     bars = [  # (version, first served, last served), seconds since start
         (x.version, x.first_served - t0, max(x.last_served, x.first_served + 1e-3) - t0)
         for x in lives
