@@ -9,13 +9,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dora.engines.torch import EngineConfig, cpu_ops, fast_forward
+from dora.engines.torch import EngineConfig, cpu_ops, fast_forward, gemm_kernel
 from dora.models.layers import RMSNorm, RotaryTable, apply_rotary
 from tests.unit.test_engine_support import make_engine, make_request, run_all
 
 ops = cpu_ops.load()
 pytestmark = pytest.mark.skipif(ops is None, reason="cpu_ops could not be built here")
-LINEARS = ["torch"] + (["mkldnn"] if fast_forward.mkldnn_linear_works() else [])
+LINEARS = (
+    ["torch"]
+    + (["mkldnn"] if fast_forward.mkldnn_linear_works() else [])
+    + (["avx2"] if gemm_kernel.works() else [])
+)
 
 
 def _requests() -> list:  # type: ignore[type-arg]

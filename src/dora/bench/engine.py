@@ -235,7 +235,7 @@ def cli(
             "threads": torch.get_num_threads(),
             "columns": columns,  # cores and threads each implementation ran with
             "fast_forward": fast_forward.supported(),
-            "linear": "mkldnn" if fast_forward.mkldnn_linear_works() else "torch",
+            "linear": fast_forward.best_linear(),
             "repeats": repeats,
             "vllm": note,
             "longtail_requests": longtail_requests,

@@ -30,7 +30,8 @@ class EngineConfig:
     # (``fast_forward``; fp32 CPU when they build), else the model's own forward_tokens
     fast_forward: bool = True
     # matmuls of the fast forward: "torch" (F.linear), "mkldnn" (weights prepacked for oneDNN
-    # at every weight load) or "auto" (mkldnn where it runs and matches F.linear)
+    # at every weight load), "avx2" (weights packed for the engine's own AVX2/FMA kernel) or
+    # "auto" (the first of avx2, mkldnn that runs here and matches F.linear)
     linear: str = "auto"
 
     def __post_init__(self) -> None:
@@ -40,9 +41,10 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len must be > 0, got {self.max_model_len}")
-        if self.linear not in ("auto", "torch", "mkldnn"):
+        if self.linear not in ("auto", "torch", "mkldnn", "avx2"):
             raise ValueError(
-                f"EngineConfig.linear must be 'auto', 'torch' or 'mkldnn', got {self.linear!r}"
+                "EngineConfig.linear must be 'auto', 'torch', 'mkldnn' or 'avx2', "
+                f"got {self.linear!r}"
             )
         if self.decode_bucket_waste < 0:
             raise ValueError("EngineConfig.decode_bucket_waste must be >= 0")

@@ -6,8 +6,9 @@ on CPU those per-op costs are a large part of a step on the small presets. This 
 computes the same function from the same parameters with
 
 - one q|k|v and one gate|up projection per layer (weights concatenated once),
-- the linears' weights optionally prepacked for oneDNN (``linear="mkldnn"``) when that
-  runs here and matches ``F.linear`` on a probe,
+- the linears' weights optionally packed for the engine's AVX2 matmul (``linear="avx2"``,
+  ``gemm_kernel``) or prepacked for oneDNN (``linear="mkldnn"``), each when it runs here and
+  matches ``F.linear`` on a probe,
 - RMSNorm (with the residual add), RoPE and SiLU-gate as single compiled row-wise ops
   (``cpu_ops``).
 
@@ -27,13 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dora.engines.torch import cpu_ops
+from dora.engines.torch import cpu_ops, gemm_kernel
 from dora.models import LlamaModel
 from dora.models.layers import AttentionBackend
 
 log = structlog.get_logger(__name__)
 
-LINEARS = ("torch", "mkldnn")
+LINEARS = ("torch", "mkldnn", "avx2")
 
 
 @dataclass
@@ -43,8 +44,13 @@ class _Linear:
     weight: Tensor  # plain, contiguous
     bias: Tensor | None
     packed: Tensor | None = None  # oneDNN-packed copy of weight
+    panels: Tensor | None = None  # the same weight packed for gemm_kernel
+    gemm: gemm_kernel.GemmOps | None = None
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.panels is not None:
+            assert self.gemm is not None
+            return self.gemm.linear(x, self.panels, self.weight.shape[0], self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -65,6 +71,14 @@ def supported(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
     return (
         torch.device(device).type == "cpu" and dtype == torch.float32 and cpu_ops.load() is not None
     )
+
+
+def best_linear() -> str:
+    """The fastest matmul that runs here and matches ``F.linear``: the AVX2 kernel, then
+    oneDNN, then torch."""
+    if gemm_kernel.works():
+        return "avx2"
+    return "mkldnn" if mkldnn_linear_works() else "torch"
 
 
 @functools.cache
@@ -93,6 +107,9 @@ class FastForward:
         if ops is None:
             raise RuntimeError("fast forward needs the compiled cpu_ops")
         self.ops = ops
+        self.gemm = gemm_kernel.load() if linear == "avx2" else None
+        if linear == "avx2" and self.gemm is None:
+            raise RuntimeError("linear='avx2' needs the compiled gemm_kernel (AVX2 + FMA)")
         self.model = model
         self.linear = linear
         self.pack_batch = pack_batch
@@ -108,6 +125,8 @@ class FastForward:
     def _make(self, weight: Tensor, bias: Tensor | None) -> _Linear:
         w = weight.detach().contiguous()
         b = None if bias is None else bias.detach().contiguous()
+        if self.gemm is not None:
+            return _Linear(w, b, panels=self.gemm.pack(w), gemm=self.gemm)
         packed = None
         if self.linear == "mkldnn":
             packed = torch.ops.mkldnn._reorder_linear_weight(w, self.pack_batch)

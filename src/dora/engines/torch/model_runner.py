@@ -103,11 +103,12 @@ class ModelRunner:
         kernel = None
         if use_kernel and device.type == "cpu" and dtype == torch.float32:
             kernel = paged_kernel.load()
-        self.attn = PagedAttention(self.kv_cache, block_size, kernel)
+        write_kv = paged_kernel.load_write_kv() if kernel is not None else None
+        self.attn = PagedAttention(self.kv_cache, block_size, kernel, write_kv)
         self.fast: FastForward | None = None
         if fast_forward and fast_forward_mod.supported(device, dtype):
             if linear == "auto":
-                linear = "mkldnn" if fast_forward_mod.mkldnn_linear_works() else "torch"
+                linear = fast_forward_mod.best_linear()
             self.fast = FastForward(model, linear)
         # the decode block table is rebuilt only when some sequence's table changed
         self._table_key: tuple[tuple[int, int], ...] = ()
