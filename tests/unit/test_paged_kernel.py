@@ -56,6 +56,27 @@ def test_kernel_refuses_bad_metadata() -> None:
         op(q, k_cache, k_cache, table * 0, torch.tensor([17], dtype=torch.int32), 0.125)
 
 
+def test_write_kv_equals_index_copy_from_a_qkv_view() -> None:
+    """The memcpy write reads k/v as the fast forward hands them over (views into q|k|v rows)."""
+    write = paged_kernel.load_write_kv()
+    assert write is not None
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, (4 + 2 + 2) * 64, generator=gen)
+    k, v = qkv[:, 256:384].view(5, 2, 64), qkv[:, 384:].view(5, 2, 64)
+    slots = torch.tensor([3, 17, 0, 40, 63])
+    k_cache, v_cache = torch.zeros(4, 16, 2, 64), torch.zeros(4, 16, 2, 64)
+    write(k_cache, v_cache, k, v, slots)
+    want_k, want_v = torch.zeros(64, 2, 64), torch.zeros(64, 2, 64)
+    want_k.index_copy_(0, slots, k)
+    want_v.index_copy_(0, slots, v)
+    assert torch.equal(k_cache.view(64, 2, 64), want_k)
+    assert torch.equal(v_cache.view(64, 2, 64), want_v)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        write(k_cache, v_cache, k, v, torch.tensor([0, 1, 2, 3, 64]))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        write(k_cache, v_cache, k.transpose(1, 2), v, slots)
+
+
 def test_engine_with_kernel_equals_torch_path() -> None:
     """Greedy tokens equal, logprobs within 1e-5, with requests joining and leaving."""
     rng = random.Random(1)

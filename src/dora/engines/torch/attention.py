@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dora.engines.torch.paged_kernel import DecodeAttention
+from dora.engines.torch.paged_kernel import DecodeAttention, WriteKV
 
 
 @dataclass
@@ -66,12 +66,17 @@ class PagedAttention:
     """Callable ``(layer, q, k, v) -> out`` bound to one KV tensor and one step's metadata."""
 
     def __init__(
-        self, kv_cache: Tensor, block_size: int, kernel: DecodeAttention | None = None
+        self,
+        kv_cache: Tensor,
+        block_size: int,
+        kernel: DecodeAttention | None = None,
+        write_kv: WriteKV | None = None,
     ) -> None:
         # kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.kernel = kernel
+        self.write_kv = write_kv  # one memcpy per token row; index_copy_ goes element by element
         self.meta: AttentionMetadata | None = None
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -81,8 +86,11 @@ class PagedAttention:
         num_kv_heads, head_dim = k.shape[-2], k.shape[-1]
         k_blocks = self.kv_cache[layer, 0]  # [num_blocks, block_size, KVH, D]
         v_blocks = self.kv_cache[layer, 1]
-        k_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        if self.write_kv is not None and k.stride(-1) == 1 and k.stride(-2) == head_dim:
+            self.write_kv(k_blocks, v_blocks, k, v, meta.slot_mapping)
+        else:
+            k_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+            v_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         num_heads = q.shape[-2]
         groups = num_heads // num_kv_heads

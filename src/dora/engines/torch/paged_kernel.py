@@ -5,6 +5,10 @@ The pure-torch path first gathers every sequence's blocks into a padded copy
 (``index_select``) and then runs ``scaled_dot_product_attention`` over it: the KV bytes are
 moved three times and padded contexts cost extra. This kernel walks each sequence's block
 table and reads every K/V row once, with no padding, so decode attention costs about a third.
+Its value pass runs from cache (this sequence's V rows are prefetched during its key pass),
+so meanwhile it prefetches the next sequence's keys: memory works while the core computes.
+``write_kv`` stores a step's new K/V rows with one memcpy per token (``index_copy_`` copies
+a non-contiguous q|k|v view element by element).
 
 It is compiled on first use with ``torch.utils.cpp_extension.load_inline`` (needs a C++
 compiler and ``ninja``; the build is cached under ``~/.cache/torch_extensions``). When it
@@ -67,36 +71,65 @@ inline v8 exp8(v8 x) {
   return (v8)((v8i)(y * (v8)bits) & ~small);
 }
 
+// Walks the key rows (the part some heads read) of a sequence's context one cache line per
+// step(), so that memory fetches the next sequence's keys while this one is computed from cache.
+struct LinePrefetcher {
+  const float* kp = nullptr;
+  const int32_t* row = nullptr;
+  int64_t L = 0, bs = 1, W = 0, first = 0, width = 0;
+  int64_t t = 0, j = 0, r = 0, c = 0;  // next row (block j, row r of it), float offset
+  void step() {
+    if (t >= L) return;
+    __builtin_prefetch(kp + (int64_t(row[j]) * bs + r) * W + first + c);
+    c += 16;
+    if (c >= width) {
+      c = 0;
+      ++t;
+      if (++r == bs) {
+        r = 0;
+        ++j;
+      }
+    }
+  }
+};
+
 // Attention of one sequence's query heads [q0, q1) (whole groups of kv heads) over its L
 // context tokens (K/V rows read from the blocks of `row`). scores: H * Lp floats of scratch,
 // Lp = L rounded up to 8. A head's result depends only on this sequence, not on [q0, q1).
 void attend_one(const float* qb, const float* kp, const float* vp, const int32_t* row,
                 int64_t L, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale,
-                float* scores, float* ob, int64_t q0, int64_t q1) {
+                float* scores, float* ob, int64_t q0, int64_t q1, LinePrefetcher& next_keys) {
   const int64_t G = H / KVH, W = KVH * D, nb = (L + bs - 1) / bs, Lp = (L + 7) / 8 * 8;
   for (int64_t hq = q0; hq < q1; ++hq) {
     for (int64_t l = L; l < Lp; ++l) scores[hq * Lp + l] = -1e30f;  // exp -> 0
   }
-  // the next block's row t (the part these heads read) is prefetched while row t is used
+  // While row t's scores are computed, the next block's key row t and this block's value
+  // row t are prefetched, so the value pass below reads from cache (the parts these heads
+  // read; keys of the first blocks usually arrived during the previous sequence).
   const int64_t first = (q0 / G) * D, width = (q1 - q0) / G * D;
   for (int64_t j = 0; j < nb; ++j) {  // scores = q . k
     const float* kb = kp + int64_t(row[j]) * bs * W;
+    const float* vrows = vp + int64_t(row[j]) * bs * W + first;
     const float* next = j + 1 < nb ? kp + int64_t(row[j + 1]) * bs * W : nullptr;
     const int64_t rows = std::min(bs, L - j * bs);
     for (int64_t t = 0; t < rows; ++t) {
       if (next != nullptr) {
         for (int64_t c = 0; c < width; c += 16) __builtin_prefetch(next + t * W + first + c);
       }
+      for (int64_t c = 0; c < width; c += 16) __builtin_prefetch(vrows + t * W + c);
       const float* kr = kb + t * W;
-      for (int64_t hq = q0; hq < q1; ++hq) {
-        const float* qh = qb + hq * D;
-        const float* kh = kr + (hq / G) * D;
-        v8 a = ld(qh) * ld(kh), b = ld(qh + 8) * ld(kh + 8);
-        for (int64_t d = 16; d < D; d += 16) {
-          a += ld(qh + d) * ld(kh + d);
-          b += ld(qh + d + 8) * ld(kh + d + 8);
+      float* st_ = scores + j * bs + t;
+      for (int64_t hk = q0 / G; hk < q1 / G; ++hk) {  // no division in this loop
+        const float* kh = kr + hk * D;
+        for (int64_t hq = hk * G; hq < (hk + 1) * G; ++hq) {
+          const float* qh = qb + hq * D;
+          v8 a = ld(qh) * ld(kh), b = ld(qh + 8) * ld(kh + 8);
+          for (int64_t d = 16; d < D; d += 16) {
+            a += ld(qh + d) * ld(kh + d);
+            b += ld(qh + d + 8) * ld(kh + d + 8);
+          }
+          st_[hq * Lp] = hsum(a + b) * scale;
         }
-        scores[hq * Lp + j * bs + t] = hsum(a + b) * scale;
       }
     }
   }
@@ -130,6 +163,7 @@ void attend_one(const float* qb, const float* kp, const float* vp, const int32_t
         const int64_t rows = std::min(bs, L - j * bs);
         for (int64_t t = 0; t < rows; ++t) {
           if (next != nullptr) __builtin_prefetch(next + t * W);
+          next_keys.step();  // the value pass runs from cache: fetch the next sequence's keys
           const float p = sj[t];
           const float* v = vb + t * W;
           a0 += p * ld(v);
@@ -194,31 +228,81 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
     std::vector<float> scores(H * ((longest + 7) / 8 * 8));
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / split, q0 = (i % split) * per;
+      LinePrefetcher next_keys;
+      if (i + 1 < end) {
+        const int64_t nb_ = (i + 1) / split, nq0 = ((i + 1) % split) * per;
+        next_keys = LinePrefetcher{kp, bt + nb_ * MB, lens[nb_], bs, KVH * D,
+                                   (nq0 / (H / KVH)) * D, per / (H / KVH) * D};
+      }
       attend_one(qp + b * H * D, kp, vp, bt + b * MB, lens[b], H, KVH, D, bs, sc,
-                 scores.data(), op + b * H * D, q0, q0 + per);
+                 scores.data(), op + b * H * D, q0, q0 + per, next_keys);
     }
   });
   return out;
 }
 
+// k_cache[slots[i]] = k[i] (and v): one memcpy per token row. k, v [T, KVH, D] may be views
+// into a wider q|k|v row (each token's KVH * D floats contiguous); caches as above.
+void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slots) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
+                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+              "k_cache/v_cache must be contiguous float32 [blocks, block_size, KVH, D]");
+  const int64_t W = k_cache.size(2) * k_cache.size(3), rows = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "slots must be a contiguous int64 [T] tensor");
+  const int64_t T = slots.size(0);
+  for (const at::Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kFloat && t->size(0) == T &&
+                    t->size(1) * t->size(2) == W && t->stride(2) == 1 &&
+                    t->stride(1) == t->size(2),
+                "k/v must be float32 [T, KVH, D] with each token's row contiguous");
+  }
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T; ++i) {
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < rows, "slot out of range of the KV cache");
+  }
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  for (int64_t i = 0; i < T; ++i) {
+    std::memcpy(kc + sp[i] * W, kp + i * ks, W * sizeof(float));
+    std::memcpy(vc + sp[i] * W, vp + i * vs, W * sizeof(float));
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dora_paged, m) {
+  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots) "
+        "-> ()");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
         "Tensor ctx_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(dora_paged, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(dora_paged, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("write_kv", &write_kv);
+}
 """
 
 DecodeAttention = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
+WriteKV = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]
 
 
 def load() -> DecodeAttention | None:
     """The compiled ``decode_attention`` op, or None when it cannot be built here."""
     return load_extension(
-        "dora_paged_attention_v7",
+        "dora_paged_attention_v11",
         _SOURCE,
         "DORA_PAGED_KERNEL",
         lambda: torch.ops.dora_paged.decode_attention,
     )
+
+
+def load_write_kv() -> WriteKV | None:
+    """The compiled ``write_kv`` op (built with ``decode_attention``), or None."""
+    return None if load() is None else torch.ops.dora_paged.write_kv
