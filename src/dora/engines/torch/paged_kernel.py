@@ -93,6 +93,14 @@ struct LinePrefetcher {
   }
 };
 
+// Both kernels read/write the caches as contiguous float32 [blocks, block_size, KVH, D].
+void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
+                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+              "k_cache/v_cache must be contiguous float32 [blocks, block_size, KVH, D]");
+}
+
 // Attention of one sequence's query heads [q0, q1) (whole groups of kv heads) over its L
 // context tokens (K/V rows read from the blocks of `row`). scores: H * Lp floats of scratch,
 // Lp = L rounded up to 8. A head's result depends only on this sequence, not on [q0, q1).
@@ -188,10 +196,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& ctx_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "q must be a contiguous float32 [B, H, D] tensor");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
-                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "k_cache/v_cache must be contiguous float32 [blocks, block_size, KVH, D]");
+  check_caches(k_cache, v_cache);
   TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == at::kInt &&
                   block_table.is_contiguous() && block_table.size(0) == q.size(0),
               "block_table must be a contiguous int32 [B, max_blocks] tensor");
@@ -245,10 +250,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 // into a wider q|k|v row (each token's KVH * D floats contiguous); caches as above.
 void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& slots) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
-                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "k_cache/v_cache must be contiguous float32 [blocks, block_size, KVH, D]");
+  check_caches(k_cache, v_cache);
   const int64_t W = k_cache.size(2) * k_cache.size(3), rows = k_cache.size(0) * k_cache.size(1);
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous(),
               "slots must be a contiguous int64 [T] tensor");
@@ -296,7 +298,7 @@ WriteKV = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]
 def load() -> DecodeAttention | None:
     """The compiled ``decode_attention`` op, or None when it cannot be built here."""
     return load_extension(
-        "dora_paged_attention_v11",
+        "dora_paged_attention_v12",
         _SOURCE,
         "DORA_PAGED_KERNEL",
         lambda: torch.ops.dora_paged.decode_attention,
