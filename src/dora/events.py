@@ -55,7 +55,7 @@ class Prompt(Event):
     text: str = Field(max_length=1_000_000, description="Prompt text given to the model.")
     answer: str = Field(default="", max_length=100_000, description="Ground-truth answer.")
     task: str = Field(default="", max_length=128, description="Task family, e.g. arithmetic.")
-    split: Literal["train", "eval"] = "train"
+    split: Literal["train", "dev", "eval"] = "train"
     metadata: dict[str, str | int | float | bool] = Field(default_factory=dict)
 
 
@@ -95,11 +95,23 @@ class RolloutRequest(Event):
     group_size: int = Field(default=1, ge=1)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     version: int = Field(ge=0, description="Policy version that must generate every token.")
+    admitted_version: int | None = Field(
+        default=None,
+        ge=0,
+        description="The dispatcher's tag at admission, never changed afterwards (the partial "
+        "baseline retags ``version``); the staleness ledger and the learner's accounting key "
+        "on it. None: equal to ``version``.",
+    )
     priority: int = Field(default=0, description="Higher runs first; raised for urgent requests.")
     dispatched_at: float = Field(default_factory=now)
     resume: ResumeState | None = Field(
         default=None, description="Partial-rollout baseline only: tokens to re-prefill."
     )
+
+    @property
+    def dispatch_version(self) -> int:
+        """The version the dispatcher admitted this request under (its ledger entry)."""
+        return self.version if self.admitted_version is None else self.admitted_version
 
 
 # --------------------------------------------------------------------------- trajectories

@@ -200,3 +200,25 @@ def test_samples_the_model_cannot_take_are_invalid() -> None:
     bad_id = make_scored(group_id="g", group_index=0, group_size=2, completion_ids=[99])
     with pytest.raises(InvalidTrajectory, match="completion_token_ids"):
         buf.add(bad_id, step=0)
+
+
+def test_retagged_groups_count_under_their_admitted_version() -> None:
+    """Partial baseline: a group admitted under v1 but retagged to v3 before it generated
+    anything has only v3 tokens. The learner must still count it against the ledger's v1
+    entry, or ``urgent_missing`` never empties and step 3 waits forever (the live deadlock)."""
+    k = 2
+    buf = GroupBuffer(staleness_bound=k)
+    sel = BatchSelector(buf, batch_groups=1)
+    led = ledger(k, 1, 3, {1: 1, 3: 1})
+    for i in range(2):
+        sample = make_scored(group_id="g", group_index=i, group_size=2, version=3)
+        request = sample.trajectory.request.model_copy(update={"admitted_version": 1})
+        traj = sample.trajectory.model_copy(update={"request": request})
+        buf.add(sample.model_copy(update={"trajectory": traj}), step=3)
+    group = buf.ready["g"]
+    assert (group.version, group.ledger_version) == (3, 1)  # staleness 0, ledger entry v1
+    assert sel.urgent_missing(3, led) == {}
+    batch = sel.select(3, led)
+    assert batch is not None and batch.staleness() == [0]
+    buf.mark_consumed(batch.groups)
+    assert buf.consumed_by_version == {1: 1}

@@ -6,6 +6,9 @@ samples arrived) and ``BatchSelector`` picks the next batch of B complete groups
 step ``s`` oldest-version-first, under the staleness rule of the ledger (see INTERFACES.md):
 
 - a group of version ``u`` may be trained at step ``s`` only if ``s - u <= K``;
+- the accounting against the dispatcher's ledger (what was dispatched and is still out) keys
+  on the version a group was *admitted* under, which the partial baseline's retagging never
+  changes; staleness keys on the version of its oldest token;
 - before step ``s`` the learner waits for every group with ``u + K == s`` that the dispatcher
   dispatched but the learner has not received complete yet (it would be too stale afterwards),
   and puts every such urgent group into that step's batch, even if the batch then holds more
@@ -49,9 +52,16 @@ class Group:
     group_id: str
     version: int
     group_size: int
+    admitted: int = -1
+    """The dispatcher's tag (its ledger entry); -1: the same as ``version``."""
     members: dict[int, ScoredTrajectory] = field(default_factory=dict)
     first_seen: float = 0.0
     completed_at: float = 0.0
+
+    @property
+    def ledger_version(self) -> int:
+        """The version the dispatcher's ledger counts this group under."""
+        return self.version if self.admitted < 0 else self.admitted
 
     @property
     def complete(self) -> bool:
@@ -184,7 +194,7 @@ class GroupBuffer:
         group = self.ready.get(gid) or self.partial.get(gid)
         version = sample_version(scored)
         if group is None:
-            group = Group(gid, version, req.group_size, first_seen=now)
+            group = Group(gid, version, req.group_size, req.dispatch_version, first_seen=now)
             self.partial[gid] = group
         if version != group.version:
             # Only the partial-rollout baseline mixes versions (dora never does): the group
@@ -216,7 +226,7 @@ class GroupBuffer:
         self.ready.pop(group.group_id, None)
         self.partial.pop(group.group_id, None)
         self.refused.add(group.group_id)
-        self.refused_by_version[group.version] += 1
+        self.refused_by_version[group.ledger_version] += 1
         self.newly_refused.append(group)
         log.error(
             "group_too_stale_refused",
@@ -231,7 +241,7 @@ class GroupBuffer:
         for g in groups:
             self.ready.pop(g.group_id, None)
             self.consumed.add(g.group_id)
-            self.consumed_by_version[g.version] += 1
+            self.consumed_by_version[g.ledger_version] += 1
 
     def expire_stale(self, step: int) -> list[Group]:
         """Refuse every ready group that is too stale for ``step`` (should never happen)."""
@@ -241,8 +251,8 @@ class GroupBuffer:
         return stale
 
     def known_complete(self, version: int) -> int:
-        """Groups of ``version`` the learner holds complete, consumed or refused."""
-        ready = sum(1 for g in self.ready.values() if g.version == version)
+        """Groups admitted under ``version`` the learner holds complete, consumed or refused."""
+        ready = sum(1 for g in self.ready.values() if g.ledger_version == version)
         return ready + self.consumed_by_version[version] + self.refused_by_version[version]
 
     def buffered_events(self) -> list[ScoredTrajectory]:

@@ -72,6 +72,6 @@ class TrainingStep(CheckpointGlue):
             "buffer/partial_groups": float(len(buf.partial)),
             "buffer/held_messages": float(len(self._held)),
         }
-        for version in {g.version for g in batch.groups}:
+        for version in {g.ledger_version for g in batch.groups}:
             values[f"consumed/v{version}"] = float(buf.consumed_by_version[version])
         return values

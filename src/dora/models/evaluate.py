@@ -18,6 +18,7 @@ from dora.models.llama import LlamaModel
 from dora.models.tokenizer import CharTokenizer
 from dora.rewards import RewardService
 from dora.tasks import Task
+from dora.tasks.evalset import EvalSet
 
 
 def _max_new_tokens(task: Task, tokenizer: CharTokenizer, prompts: list[Prompt]) -> int:
@@ -109,3 +110,69 @@ def evaluate_task(
         result["groups_all_wrong"] = float(np.mean(per_group == 0))
         result["groups_all_right"] = float(np.mean(per_group == 1))
     return result
+
+
+def clustered_mean(per_problem: np.ndarray) -> tuple[float, float]:
+    """Mean over problems and its standard error clustered by problem.
+
+    ``per_problem`` holds one value per problem (its accuracy over its k samples): samples of
+    one problem are correlated, so the problem is the unit of the standard error, not the
+    sample. With k = 1 this is the binomial standard error over distinct problems.
+    """
+    n = len(per_problem)
+    if n == 0:
+        return float("nan"), float("nan")
+    se = float(per_problem.std(ddof=1) / np.sqrt(n)) if n > 1 else float("nan")
+    return float(per_problem.mean()), se
+
+
+def score_eval_set(
+    model: LlamaModel,
+    tokenizer: CharTokenizer,
+    task: Task,
+    eval_set: EvalSet,
+    samples: int = 0,
+    seed: int = 0,
+) -> dict[str, list[float]]:
+    """Per-problem scores on a frozen eval set: greedy correctness and, with ``samples`` > 0,
+    the share of that many temperature-1 samples that are right (avg@k)."""
+    prompts = list(eval_set.prompts)
+    texts = complete(model, tokenizer, task, prompts)
+    out = {
+        "greedy": [float(c) for c in _score(task, prompts, texts)],
+        "greedy_length": [float(len(tokenizer.encode(t))) for t in texts],
+    }
+    if samples:
+        repeated = [p for p in prompts for _ in range(samples)]
+        texts = complete(model, tokenizer, task, repeated, temperature=1.0, seed=seed + 2)
+        ok = np.array(_score(task, repeated, texts), dtype=float).reshape(len(prompts), samples)
+        out[f"avg@{samples}"] = [float(x) for x in ok.mean(1)]
+    return out
+
+
+def summarize_scores(eval_set: EvalSet, scores: dict[str, list[float]]) -> dict[str, Any]:
+    """Pooled and per-stratum mean ± clustered SE of every per-problem metric."""
+    labels = np.array(eval_set.strata)
+    out: dict[str, Any] = {"n": len(eval_set), "fingerprint": eval_set.fingerprint}
+    for metric, values in scores.items():
+        arr = np.asarray(values, dtype=float)
+        mean, se = clustered_mean(arr)
+        strata = {}
+        for label in dict.fromkeys(eval_set.strata):
+            m, s = clustered_mean(arr[labels == label])
+            strata[label] = {"mean": m, "se": s, "n": int((labels == label).sum())}
+        out[metric] = {"mean": mean, "se": se, "strata": strata}
+    return out
+
+
+def compare_scores(
+    eval_set: EvalSet, start: dict[str, list[float]], final: dict[str, list[float]]
+) -> dict[str, Any]:
+    """final - start per metric, pooled and per stratum, with the SE of the paired per-problem
+    differences (the same problems before and after: pairing removes their difficulty)."""
+    diffs = {
+        metric: [b - a for a, b in zip(start[metric], final[metric], strict=True)]
+        for metric in start
+        if metric in final and not metric.endswith("_length")
+    }
+    return summarize_scores(eval_set, diffs)

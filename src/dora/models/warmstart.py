@@ -37,7 +37,7 @@ from dora.tasks import Task, make_task
 
 log = structlog.get_logger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bump when training code changes what a config produces (invalidates caches)."""
 RESULT_FILE = "warmstart.json"
 

@@ -234,6 +234,7 @@ class Dispatcher:
                     update={"seed": sample_seed(self.config.seed, prompt.prompt_id, occurrence, i)}
                 ),
                 version=version,
+                admitted_version=version,
                 dispatched_at=at,
             )
             for i in range(g)

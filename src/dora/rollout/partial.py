@@ -46,11 +46,13 @@ def resumed(part: PartialOutput, loaded: int | None, version: int) -> RolloutReq
 
 def retag(request: RolloutRequest, version: int) -> RolloutRequest:
     """``request`` served by ``version``'s weights, ahead of new work (same id: one
-    trajectory per request, whatever happens)."""
+    trajectory per request, whatever happens). Its admitted tag stays: the dispatcher's ledger
+    and the learner count the group under the version it was admitted with."""
     return request.model_copy(
         update={
             "event_id": f"{request.request_id}-v{version}",
             "version": version,
+            "admitted_version": request.dispatch_version,
             "priority": max(request.priority, RESUME_PRIORITY),
         }
     )

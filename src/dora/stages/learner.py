@@ -19,14 +19,20 @@ from pydantic import BaseModel, ConfigDict, Field
 from dora.events import Event
 from dora.stage import Context, Stage
 from dora.stages.model_source import ModelSource
+from dora.tasks.evalset import EvalSetSpec
 
 
 class EvalConfig(BaseModel):
+    """The held-out evaluation of the start and final policies on a frozen eval set."""
+
     model_config = ConfigDict(extra="forbid")
 
     task: str = "arithmetic"
     task_config: dict[str, Any] = Field(default_factory=dict)
-    prompts: int = Field(default=128, ge=0, description="Held-out prompts (0: no evaluation).")
+    set: EvalSetSpec = Field(
+        default_factory=EvalSetSpec,
+        description="Which distinct held-out problems (split, strata, per_stratum; 0: none).",
+    )
     samples: int = Field(
         default=4, ge=0, description="Temperature-1 samples per prompt for avg@k (0: greedy only)."
     )
@@ -91,40 +97,67 @@ class LearnerStage(Stage):
         yield  # pragma: no cover - makes this an async generator
 
     def _finish(self, ctx: Context) -> None:
-        from dora.models import load_pretrained, save_pretrained
-        from dora.models.evaluate import evaluate_task
-        from dora.tasks import make_task
+        from dora.models import save_pretrained
 
         final = self.run_dir / "final"
         save_pretrained(self.service.model, final, self.tokenizer)
-        cfg: LearnerStageConfig = self.config
         result: dict[str, Any] = {
             "steps": self.service.step,
             "train_seconds": time.time() - self.started,
         }
-        if cfg.eval.prompts:
-            task = make_task(cfg.eval.task, **cfg.eval.task_config)
-            for name, directory in (("start", self.model_dir), ("final", final)):
-                model = load_pretrained(directory)
-                scores = evaluate_task(
-                    model,
-                    self.tokenizer,
-                    task,
-                    eval_prompts=cfg.eval.prompts,
-                    group_prompts=0,
-                    samples=cfg.eval.samples,
-                )
-                for key in ("accuracy", "sampled_accuracy", "mean_length", "sampled_mean_length"):
-                    if key in scores:
-                        result[f"{name}_{key}"] = scores[key]
-            result["gain"] = result["final_accuracy"] - result["start_accuracy"]
-            if cfg.eval.samples:
-                result["sampled_gain"] = (
-                    result["final_sampled_accuracy"] - result["start_sampled_accuracy"]
-                )
+        if self.config.eval.set.per_stratum:
+            result.update(self._evaluate(final))
         (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
-        ctx.log.info("evaluated", **{k: round(v, 4) for k, v in result.items()})
-        self.result = result
+        headline = {k: v for k, v in result.items() if isinstance(v, int | float)}
+        ctx.log.info("evaluated", **{k: round(v, 4) for k, v in headline.items()})
+        self.result = headline
+
+    def _evaluate(self, final: Path) -> dict[str, Any]:
+        """Start and final policy on the frozen eval set: pooled and per-stratum means with
+        standard errors clustered by problem, and the paired gain. Per-problem scores go to
+        ``eval_scores.json`` (to pool seeds or re-analyse without re-running)."""
+        from dora.models import load_pretrained
+        from dora.models.evaluate import compare_scores, score_eval_set, summarize_scores
+        from dora.tasks import make_task
+        from dora.tasks.evalset import build_eval_set
+
+        cfg: EvalConfig = self.config.eval
+        task = make_task(cfg.task, **cfg.task_config)
+        eval_set = build_eval_set(task, cfg.set)
+        scores = {
+            name: score_eval_set(
+                load_pretrained(directory), self.tokenizer, task, eval_set, samples=cfg.samples
+            )
+            for name, directory in (("start", self.model_dir), ("final", final))
+        }
+        start = summarize_scores(eval_set, scores["start"])
+        end = summarize_scores(eval_set, scores["final"])
+        gain = compare_scores(eval_set, scores["start"], scores["final"])
+        (self.run_dir / "eval_scores.json").write_text(
+            json.dumps({"strata": eval_set.strata, **scores}) + "\n"
+        )
+        flat: dict[str, Any] = {}
+        for metric in gain:
+            if not isinstance(gain[metric], dict):
+                continue
+            name = "accuracy" if metric == "greedy" else metric
+            flat[f"start_{name}"] = start[metric]["mean"]
+            flat[f"final_{name}"] = end[metric]["mean"]
+            flat[f"gain_{name}"] = gain[metric]["mean"]
+            flat[f"gain_{name}_se"] = gain[metric]["se"]
+        sizes = eval_set.stratum_sizes()
+        return {
+            **flat,
+            "eval_set": {
+                "split": cfg.set.split,
+                "n": len(eval_set),
+                "strata": sizes,
+                "fingerprint": eval_set.fingerprint,
+            },
+            "start": start,
+            "final": end,
+            "gain": gain,
+        }
 
     async def teardown(self, ctx: Context) -> None:
         """Runs after the rollout stopped (the pipeline stops upstream first): the evaluation

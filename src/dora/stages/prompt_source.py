@@ -17,7 +17,7 @@ class PromptSourceConfig(BaseModel):
 
     task: str = Field(default="arithmetic", description="A dora.tasks name.")
     task_config: dict[str, Any] = Field(default_factory=dict, description="make_task kwargs.")
-    split: Literal["train", "eval"] = "train"
+    split: Literal["train", "dev", "eval"] = "train"
     count: int = Field(default=16, ge=0, description="How many prompts, then the source ends.")
     start: int = Field(default=0, ge=0, description="Index of the first prompt.")
 

@@ -54,6 +54,17 @@ class ArithmeticConfig(TaskConfig):
     min_value: int = Field(default=1, ge=0)
     max_value: int = Field(default=9, ge=1, le=10**9)
     eval_percent: int = Field(default=10, ge=1, le=50, description="Share of problems in eval.")
+    dev_percent: int = Field(
+        default=5, ge=0, le=40, description="Share of problems in the dev split (for tuning)."
+    )
+    long_every: int = Field(
+        default=0,
+        ge=0,
+        description="Every this many problems (index % long_every == 0) is drawn from the long "
+        "stratum, [long_min_terms, max_terms] uniformly; the others from the zipf law below "
+        "long_min_terms. 0: every problem from the zipf law over [min_terms, max_terms].",
+    )
+    long_min_terms: int = Field(default=24, ge=3, le=512)
     scratchpad: Literal["running", "rewrite"] = "running"
     modulus: int | None = Field(
         default=None,
@@ -68,6 +79,10 @@ class ArithmeticConfig(TaskConfig):
             raise ValueError(f"max_terms ({self.max_terms}) < min_terms ({self.min_terms})")
         if self.max_value < self.min_value:
             raise ValueError(f"max_value ({self.max_value}) < min_value ({self.min_value})")
+        if self.long_every and not self.min_terms < self.long_min_terms <= self.max_terms:
+            raise ValueError(
+                f"long_min_terms ({self.long_min_terms}) must be in (min_terms, max_terms]"
+            )
         return self
 
 
@@ -87,6 +102,12 @@ def scratchpad(terms: list[int], style: str = "running", modulus: int | None = N
         total = new
     lines.append(f"answer: {total}")
     return "\n".join(lines)
+
+
+def identity(terms: list[int]) -> str:
+    """One key for every ordering of the same terms: a permutation of a problem is the same
+    problem (the split and the eval set's de-duplication key on this)."""
+    return "+".join(map(str, sorted(terms)))
 
 
 def parse_terms(prompt: Prompt) -> list[int]:
@@ -109,28 +130,57 @@ class ArithmeticTask(BaseTask):
         self.config = config or ArithmeticConfig()
         c = self.config
         # Truncated zipf over the term count: P(n) ~ (n - min_terms + 1) ** -alpha.
-        self._counts = list(range(c.min_terms, c.max_terms + 1))
+        top = c.long_min_terms - 1 if c.long_every else c.max_terms
+        self._counts = list(range(c.min_terms, top + 1))
         weights = [(n - c.min_terms + 1) ** -c.zipf_alpha for n in self._counts]
         self._cum = list(itertools.accumulate(weights))
+        self._long = list(range(c.long_min_terms, c.max_terms + 1))
 
-    def _draw(self, split: Split, index: int) -> list[int]:
+    def _draw(self, split: Split, index: int, num_terms: int | None = None) -> list[int]:
         c = self.config
-        for attempt in range(10_000):
-            rng = rng_for(self.name, c.seed, split, index, attempt)
-            n = rng.choices(self._counts, cum_weights=self._cum)[0]
+        for attempt in range(10_000 if num_terms is None else 1_000):
+            rng = rng_for(self.name, c.seed, split, index, attempt, num_terms)
+            if num_terms is not None:
+                n = num_terms
+            elif c.long_every and index % c.long_every == 0:
+                n = rng.choice(self._long)
+            else:
+                n = rng.choices(self._counts, cum_weights=self._cum)[0]
             terms = [rng.randint(c.min_value, c.max_value) for _ in range(n)]
-            if split_of("+".join(map(str, terms)), c.eval_percent) == split:
+            if split_of(identity(terms), c.eval_percent, c.dev_percent) == split:
                 return terms
-        raise RuntimeError("could not draw a problem for the split")  # pragma: no cover
+        # few problems of a small size exist (45 two-term sums of one-digit numbers), and a
+        # split may hold none of them
+        raise LookupError(f"no {split} problem with {num_terms} terms found")
 
     def prompt(self, split: Split, index: int) -> Prompt:
         """Problem ``index`` of ``split`` (deterministic by seed, split and index)."""
+        return self._prompt(split, index, None)
+
+    def prompt_with_terms(self, split: Split, num_terms: int, index: int) -> Prompt:
+        """Problem ``index`` of ``split`` among those of exactly ``num_terms`` terms (what a
+        difficulty-stratified eval set draws from). ``LookupError`` when the split seems to
+        hold no such problem."""
+        if not 2 <= num_terms <= 512:
+            raise ValueError(f"num_terms must be in [2, 512], got {num_terms}")
+        return self._prompt(split, index, num_terms)
+
+    def identity(self, prompt: Prompt) -> str:
+        """The problem's identity (its sorted terms)."""
+        return identity(parse_terms(prompt))
+
+    def difficulty(self, prompt: Prompt) -> int:
+        """The number of terms: the scratchpad's length grows with it."""
+        return len(parse_terms(prompt))
+
+    def _prompt(self, split: Split, index: int, num_terms: int | None) -> Prompt:
         check_split(split)
         if index < 0:
             raise ValueError(f"index must be >= 0, got {index}")
-        terms = self._draw(split, index)
+        terms = self._draw(split, index, num_terms)
+        suffix = "" if num_terms is None else f"-n{num_terms}"
         return Prompt(
-            prompt_id=self.prompt_id(self.config.seed, split, index),
+            prompt_id=self.prompt_id(self.config.seed, split, index) + suffix,
             text=format_problem(terms),
             answer=str(self.answer_of(terms)),
             task=self.name,

@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dora.events import Prompt
 
-Split = Literal["train", "eval"]
-SPLITS: tuple[Split, ...] = ("train", "eval")
+Split = Literal["train", "dev", "eval"]
+SPLITS: tuple[Split, ...] = ("train", "dev", "eval")
 
 
 class TaskConfigError(ValueError):
@@ -57,14 +57,18 @@ def rng_for(*parts: object) -> random.Random:
     return random.Random(int.from_bytes(digest[:16], "little"))
 
 
-def split_of(key: str, eval_percent: int) -> Split:
-    """Which split a problem belongs to, by a stable hash of its canonical text.
+def split_of(key: str, eval_percent: int, dev_percent: int = 0) -> Split:
+    """Which split a problem belongs to, by a stable hash of its identity.
 
-    Assigning problems (not indices) to splits makes train and eval disjoint by construction,
-    whatever the seed or the number of prompts drawn.
+    Assigning problems (not indices) to splits makes train, dev and eval disjoint by
+    construction, whatever the seed or the number of prompts drawn. ``key`` must be the same for
+    every rendering of one problem (e.g. the sorted terms of a sum), so that a permutation of a
+    training problem never lands in eval.
     """
     bucket = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") % 100
-    return "eval" if bucket < eval_percent else "train"
+    if bucket < eval_percent:
+        return "eval"
+    return "dev" if bucket < eval_percent + dev_percent else "train"
 
 
 class BaseTask:

@@ -109,6 +109,7 @@ class DatasetTask(BaseTask):
         self.split_rows: dict[str, list[int]] = {
             "eval": [int(i) for i in order[:n_eval]],
             "train": [int(i) for i in order[n_eval:]],
+            "dev": [],  # a file's rows are split in two; tune on a split of your own file
         }
 
     def _load(self) -> list[tuple[str, str, str, str]]:
