@@ -46,7 +46,7 @@ def build_pipeline(
     model_dir = save_pretrained(model, tmp_path / "model", tok)
     run_dir = tmp_path / "run"
     source = {"path": str(model_dir)}
-    pipeline = Pipeline(run_id=f"mainjob-{mode}", nats_url=url, run_dir=run_dir)
+    pipeline = Pipeline(run_id=f"mainjob-{mode}-{steps}", nats_url=url, run_dir=run_dir)
     pipeline.add(RecorderStage())
     pipeline.add(
         LearnerStage(
