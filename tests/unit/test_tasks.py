@@ -120,3 +120,23 @@ def test_countdown_uses_all_numbers() -> None:
     assert len(numbers) == 4
     assert prompt.text.startswith("Numbers: ") and prompt.text.endswith("A:\n")
     assert int(prompt.answer) > 0
+
+
+def test_long_stratum_every_nth_problem_gives_the_reasoning_long_tail() -> None:
+    """``long_every``: every n-th problem is long, so any n consecutive prompts (a step's
+    worth of groups) hold one, and lengths have a long tail (p99 >= 10x the median)."""
+    task = make_task(
+        "arithmetic", max_terms=36, scratchpad="rewrite", long_every=4, long_min_terms=30
+    )
+    tok = CharTokenizer.build()
+    prompts = list(task.prompts("train", 400))
+    terms = [int(p.metadata["num_terms"]) for p in prompts]
+    assert all((n >= 30) == (i % 4 == 0) for i, n in enumerate(terms))
+    lengths = np.array([len(tok.encode(task.solve(p))) + 1 for p in prompts])
+    assert lengths[::4].min() >= 1000
+    assert np.percentile(lengths, 99) >= 10 * np.median(lengths)
+
+
+def test_long_stratum_must_fit_the_term_range() -> None:
+    with pytest.raises(TaskConfigError, match="long_min_terms"):
+        make_task("arithmetic", max_terms=20, long_every=4, long_min_terms=30)

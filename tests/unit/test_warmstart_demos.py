@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dora.models.tokenizer import CharTokenizer
-from dora.models.warmstart import demonstration, packed_batches
+from dora.models.warmstart import WarmstartConfig, demonstration, packed_batches
 from dora.tasks import make_task
 
 
@@ -43,7 +43,6 @@ def test_packed_rows_carry_loss_on_completions_only() -> None:
 
 
 def test_shortcut_fraction_enters_the_cache_key_only_when_set() -> None:
-    from dora.models.warmstart import WarmstartConfig
 
     base = WarmstartConfig(steps=10)
     assert WarmstartConfig(steps=10, shortcut_fraction=0.0).key() == base.key()
@@ -84,7 +83,6 @@ def test_guess_line_without_a_task_guess_redraws_the_digits() -> None:
 
 
 def test_guess_shortcut_enters_the_cache_key_only_when_set() -> None:
-    from dora.models.warmstart import WarmstartConfig
 
     base = WarmstartConfig(steps=10, shortcut_fraction=0.5)
     assert WarmstartConfig(steps=10, shortcut_fraction=0.5, shortcut="answer").key() == base.key()
@@ -115,3 +113,24 @@ def test_shortcut_start_keeps_the_early_batches_free_of_shortcuts() -> None:
     bare = [c for c in late if "=" not in c]
     assert len(bare) > len(late) // 2
     assert all(c.startswith("answer: ") for c in bare)
+
+
+def test_curriculum_draws_the_first_batches_from_the_easy_task() -> None:
+    hard = make_task("arithmetic", seed=0, min_terms=12, max_terms=14)
+    easy = make_task("arithmetic", seed=0, min_terms=2, max_terms=3)
+    tok = CharTokenizer.build()
+    batches = packed_batches(hard, tok, rows=1, row_tokens=512, easy=(easy, 2))
+
+    def lines(ids: torch.Tensor, mask: torch.Tensor) -> list[int]:
+        """Scratchpad lines per demonstration (one line per addition, then the answer)."""
+        text = tok.decode(ids[0][mask[0]].tolist())
+        return [d.count("=") for d in text.split("answer:")[:-1]]
+
+    first = [n for _ in range(2) for n in lines(*next(batches)[::2])]
+    later = [n for _ in range(2) for n in lines(*next(batches)[::2])]
+    assert first and all(n <= 2 for n in first)
+    # the example that did not fit the last easy batch opens the next one; then only hard ones
+    assert later[0] <= 2 and len(later) > 1 and all(n >= 11 for n in later[1:])
+    assert WarmstartConfig(easy_task_config={"max_terms": 3}, easy_steps=2).key() != (
+        WarmstartConfig().key()
+    )

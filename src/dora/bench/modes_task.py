@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 QUICKSTART = Path("pipelines/quickstart.yaml")
@@ -41,7 +42,8 @@ def _spec(
                 learner["optim"] = {**optim, "total_steps": steps}
             if staleness is not None:
                 learner["staleness_bound"] = staleness
-            config["eval"] = {**config.get("eval", {}), "task": task, "prompts": 0}
+            # checkpoints are evaluated afterwards, all on the same frozen set
+            config["eval"] = {**config.get("eval", {}), "task": task, "set": {"per_stratum": 0}}
         elif entry["type"] == "prompt_source":
             config["task"] = task
     return spec
@@ -55,19 +57,18 @@ def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return out
 
 
-def _evaluate(model_dir: Path, task: str, prompts: int, task_config: dict[str, Any]) -> float:
+def _evaluate(model_dir: Path, task: str, task_config: dict[str, Any]) -> tuple[float, float]:
+    """Greedy accuracy on the task's frozen eval set, with its SE clustered by problem."""
     from dora.models import load_pretrained, load_tokenizer
-    from dora.models.evaluate import evaluate_task
+    from dora.models.evaluate import clustered_mean, score_eval_set
     from dora.tasks import make_task
+    from dora.tasks.evalset import build_eval_set
 
-    scores = evaluate_task(
-        load_pretrained(model_dir),
-        load_tokenizer(model_dir),
-        make_task(task, **task_config),
-        eval_prompts=prompts,
-        group_prompts=0,
-    )
-    return float(scores.get("accuracy", 0.0))
+    task_obj = make_task(task, **task_config)
+    eval_set = build_eval_set(task_obj)
+    model = load_pretrained(model_dir)
+    scores = score_eval_set(model, load_tokenizer(model_dir), task_obj, eval_set)
+    return clustered_mean(np.asarray(scores["greedy"]))
 
 
 def _run_one(
@@ -112,7 +113,6 @@ def run_task_comparison(
 
     out = out or Path("runs/bench") / f"modes-{task}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
-    eval_prompts = 128
     runs = [_run_one(mode, seed, steps, task, out, staleness) for seed in seeds for mode in modes]
     rows = []
     start_dir = _start_model(out, modes[0], seeds[0], task)
@@ -122,9 +122,10 @@ def run_task_comparison(
     task_config = (
         source["config"].get("task_config", {}) if source["config"]["task"] == task else {}
     )
-    start_acc = _evaluate(start_dir, task, eval_prompts, task_config)
+    start_acc, start_se = _evaluate(start_dir, task, task_config)
     for run in runs:
         for step, model_dir in run["checkpoints"]:
+            accuracy, se = _evaluate(model_dir, task, task_config)
             rows.append(
                 {
                     "mode": run["mode"],
@@ -132,16 +133,22 @@ def run_task_comparison(
                     "step": step,
                     "trajectories": step * run["per_step"],
                     "seconds": round(run["step_time"].get(step, float("nan")), 1),
-                    "eval_accuracy": round(
-                        _evaluate(model_dir, task, eval_prompts, task_config), 4
-                    ),
+                    "eval_accuracy": round(accuracy, 4),
+                    "eval_se": round(se, 4),
                 }
             )
-    print_table(f"dora bench modes --task {task} (warm start accuracy {start_acc:.3f})", rows)
+    title = f"dora bench modes --task {task} (warm start {start_acc:.3f} ± {start_se:.3f})"
+    print_table(title, rows)
     saved = save_rows(
         f"modes-{task}",
         rows,
-        meta={"start_accuracy": start_acc, "steps": steps, "seeds": seeds, "staleness": staleness},
+        meta={
+            "start_accuracy": start_acc,
+            "start_se": start_se,
+            "steps": steps,
+            "seeds": seeds,
+            "staleness": staleness,
+        },
     )
     (out / "rows.json").write_text(json.dumps(rows, indent=2))
     _plot(rows, start_acc, out / "modes-task.png")

@@ -75,6 +75,12 @@ class WarmstartConfig(BaseModel):
         "policy learn to solve on the whole early budget, then pick up the habit of answering "
         "without working, as a base model tuned on a little lazy data.",
     )
+    easy_task_config: dict[str, Any] | None = Field(
+        default=None,
+        description="A curriculum: the first easy_steps draw problems from the task with this "
+        "config (e.g. short problems only) before the full distribution.",
+    )
+    easy_steps: int = Field(default=0, ge=0)
     seed: int = 0
     eval_prompts: int = Field(default=128, ge=0)
     group_prompts: int = Field(default=16, ge=0, description="Prompts for the group-of-8 check.")
@@ -84,7 +90,13 @@ class WarmstartConfig(BaseModel):
     def key(self) -> str:
         """Cache key: hash of the config and the training-code version."""
         data = self.model_dump()
-        added_later = {"shortcut_fraction": 0.0, "shortcut": "answer", "shortcut_start": 0}
+        added_later = {
+            "shortcut_fraction": 0.0,
+            "shortcut": "answer",
+            "shortcut_start": 0,
+            "easy_task_config": None,
+            "easy_steps": 0,
+        }
         for name, default in added_later.items():
             if data[name] == default:  # fields added later: defaults keep cache keys valid
                 del data[name]
@@ -157,17 +169,20 @@ def packed_batches(
     seed: int = 0,
     shortcut: Literal["answer", "guess"] = "answer",
     shortcut_start: int = 0,
+    easy: tuple[Task, int] | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Endless ``(ids, segment_ids, loss_mask)`` batches of ``rows x row_tokens`` tokens.
 
     Whole examples are packed greedily into rows (an example never spans two rows); the loss
     mask marks completion tokens, so prompts and padding carry no loss. Batches before
-    ``shortcut_start`` draw no shortcut demonstrations.
+    ``shortcut_start`` draw no shortcut demonstrations; with ``easy = (task, steps)`` the first
+    ``steps`` batches draw their problems from that easier task (a curriculum).
     """
     index = 0
     pending: tuple[list[int], int] | None = None
     for batch in itertools.count():
         fraction = shortcut_fraction if batch >= shortcut_start else 0.0
+        source = easy[0] if easy is not None and batch < easy[1] else task
         ids = torch.full((rows, row_tokens), tokenizer.pad_token_id, dtype=torch.long)
         seg = torch.zeros((rows, row_tokens), dtype=torch.long)
         mask = torch.zeros((rows, row_tokens), dtype=torch.bool)
@@ -175,9 +190,9 @@ def packed_batches(
             used, segment = 0, 0
             while True:
                 if pending is None:
-                    p = task.prompt("train", index)
+                    p = source.prompt("train", index)
                     index += 1
-                    text = demonstration(task, p, fraction, seed, shortcut)
+                    text = demonstration(source, p, fraction, seed, shortcut)
                     seq, start = encode_example(tokenizer, p.text, text)
                     pending = (seq[:row_tokens], start)
                 seq, start = pending
@@ -217,6 +232,10 @@ def train(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     rows = max(1, config.batch_tokens // config.row_tokens)
+    easy = None
+    if config.easy_task_config is not None and config.easy_steps:
+        easy_task = make_task(config.task, seed=config.seed, **config.easy_task_config)
+        easy = (easy_task, config.easy_steps)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -237,6 +256,7 @@ def train(
         config.seed,
         config.shortcut,
         config.shortcut_start,
+        easy,
     )
     model.train()
     losses: list[float] = []

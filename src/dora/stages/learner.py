@@ -8,6 +8,7 @@ on the task's eval split next to the starting policy's, into ``<run_dir>/eval.js
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -124,12 +125,21 @@ class LearnerStage(Stage):
         cfg: EvalConfig = self.config.eval
         task = make_task(cfg.task, **cfg.task_config)
         eval_set = build_eval_set(task, cfg.set)
-        scores = {
-            name: score_eval_set(
-                load_pretrained(directory), self.tokenizer, task, eval_set, samples=cfg.samples
-            )
-            for name, directory in (("start", self.model_dir), ("final", final))
-        }
+
+        def score(directory: Path) -> dict[str, list[float]]:
+            model = load_pretrained(directory)
+            return score_eval_set(model, self.tokenizer, task, eval_set, samples=cfg.samples)
+
+        # The start policy's scores are a pure function of its weights and the frozen set:
+        # kept beside the weights, so a run from a cached warm start does not pay for them.
+        cached = self.model_dir / f"eval-{eval_set.fingerprint}-k{cfg.samples}.json"
+        if cached.is_file():
+            start_scores = json.loads(cached.read_text())
+        else:
+            start_scores = score(self.model_dir)
+            with contextlib.suppress(OSError):  # a read-only model directory: no cache
+                cached.write_text(json.dumps(start_scores) + "\n")
+        scores = {"start": start_scores, "final": score(final)}
         start = summarize_scores(eval_set, scores["start"])
         end = summarize_scores(eval_set, scores["final"])
         gain = compare_scores(eval_set, scores["start"], scores["final"])
