@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from dora.bench.run_stats import run_stats
 from dora.bus.server import NatsServer
 from dora.events import ScoredTrajectory, Trajectory
 from dora.learner.metrics import read_metrics
@@ -127,3 +128,9 @@ async def test_every_mode_runs_to_completion(
         if mode != "partial":  # only partial rollout retags (and re-prefills)
             assert admitted == tag
             assert t["reprefilled_tokens"] == 0
+    stats = run_stats(run_dir)  # what `dora bench modes --task` compares, from the record
+    assert stats["steps"] == steps and stats["trajectories"] == len(trajectories)
+    assert stats["generated_tok_s"] > 0 and stats["trained_tok_s"] > 0
+    assert 0 < stats["utilization"] <= 1 and 0 <= stats["learner_wait_frac"] < 1
+    reprefilled = sum(t["reprefilled_tokens"] for t in trajectories)
+    assert stats["reprefilled_tokens"] == reprefilled

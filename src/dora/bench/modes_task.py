@@ -139,9 +139,11 @@ def run_task_comparison(
             )
     title = f"dora bench modes --task {task} (warm start {start_acc:.3f} ± {start_se:.3f})"
     print_table(title, rows)
+    live = mode_table(runs, rows)
+    print_table(f"dora bench modes --task {task}: each mode live (mean over seeds)", live)
     saved = save_rows(
         f"modes-{task}",
-        rows,
+        rows + [{"table": "modes", **r} for r in live],
         meta={
             "start_accuracy": start_acc,
             "start_se": start_se,
@@ -153,6 +155,40 @@ def run_task_comparison(
     (out / "rows.json").write_text(json.dumps(rows, indent=2))
     _plot(rows, start_acc, out / "modes-task.png")
     print(f"saved {saved} and {out / 'modes-task.png'}")
+
+
+def mode_table(runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per mode: the run stats (mean and spread over seeds), final eval accuracy, and
+    trained tokens/s as a ratio to sync and to partial of the same seed, where those ran."""
+    from dora.bench.run_stats import run_stats
+
+    stats = {(r["mode"], r["seed"]): run_stats(Path(r["run_dir"])) for r in runs}
+    final = {}
+    for r in rows:
+        key = (r["mode"], r["seed"])
+        if r["step"] >= final.get(key, (-1, 0.0))[0]:
+            final[key] = (r["step"], r["eval_accuracy"])
+    out = []
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        seeds = [s for m, s in stats if m == mode]
+        row: dict[str, Any] = {"mode": mode, "seeds": len(seeds)}
+        for name in ("trained_tok_s", "generated_tok_s", "step_s", "learner_wait_frac",
+                     "utilization", "migrations", "reprefilled_tokens"):  # fmt: skip
+            values = np.array([stats[mode, s][name] for s in seeds], dtype=float)
+            row[name] = round(float(values.mean()), 3)
+            if name == "trained_tok_s" and len(values) > 1:
+                row["trained_tok_s_std"] = round(float(values.std(ddof=1)), 3)
+        accuracy = [final[mode, s][1] for s in seeds if (mode, s) in final]
+        row["final_accuracy"] = round(float(np.mean(accuracy)), 4) if accuracy else None
+        for base in ("sync", "partial"):
+            ratios = [
+                stats[mode, s]["trained_tok_s"] / stats[base, s]["trained_tok_s"]
+                for s in seeds
+                if (base, s) in stats
+            ]
+            row[f"vs_{base}"] = round(float(np.mean(ratios)), 3) if ratios else None
+        out.append(row)
+    return out
 
 
 def _start_model(out: Path, mode: str, seed: int, task: str) -> Path:
