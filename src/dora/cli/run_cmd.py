@@ -113,15 +113,14 @@ RUN_FILE = "run.json"
 """Written at start: what ``--resume`` needs to continue the same run."""
 
 
-def _resume_target(run_dir: Path) -> tuple[Path, str, str | None]:
-    """Pipeline file, run id and NATS URL of an earlier run, from its ``run.json``."""
+def _resume_target(run_dir: Path) -> dict[str, Any]:
+    """Pipeline file, run id, NATS URL and overrides of an earlier run, from its ``run.json``."""
     import json
 
     path = run_dir / RUN_FILE
     if not path.is_file():
         raise typer.BadParameter(f"{run_dir} has no {RUN_FILE}; is it a dora run directory?")
-    info = json.loads(path.read_text())
-    return Path(info["pipeline"]), str(info["run_id"]), info.get("nats")
+    return json.loads(path.read_text())
 
 
 def cli(
@@ -145,6 +144,20 @@ def cli(
             help="Continue the run in this directory (same run id, streams and checkpoints).",
         ),
     ] = None,
+    overrides: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="STAGE.path.to.field=VALUE (STAGE: a stage's name or type; VALUE read as "
+            "YAML), e.g. --set rollout.engines=3; repeatable.",
+        ),
+    ] = None,
+    max_steps: Annotated[
+        int | None,
+        typer.Option(
+            "--max-steps", min=1, help="Learner steps (and the LR schedule's length) for this run."
+        ),
+    ] = None,
 ) -> None:
     """Run a pipeline until its finite stages finish (or Ctrl-C), with live progress."""
     import json
@@ -155,18 +168,35 @@ def cli(
 
     console = Console()
     if resume is not None:
-        pipeline, run_id, saved_nats = _resume_target(resume)
-        run_dir, nats = resume, nats or saved_nats
+        if overrides or max_steps is not None:
+            raise typer.BadParameter("--resume continues a run with its own --set/--max-steps")
+        info = _resume_target(resume)
+        pipeline, run_id = Path(info["pipeline"]), str(info["run_id"])
+        run_dir, nats = resume, nats or info.get("nats")
+        overrides, max_steps = info.get("overrides") or [], info.get("max_steps")
     if pipeline is None:
         raise typer.BadParameter("give a PIPELINE file, or --resume RUN_DIR")
     try:
-        pipe = load_pipeline(pipeline, run_id=run_id, nats_url=nats, run_dir=run_dir)
+        pipe = load_pipeline(
+            pipeline,
+            run_id=run_id,
+            nats_url=nats,
+            run_dir=run_dir,
+            overrides=overrides or (),
+            max_steps=max_steps,
+        )
     except PipelineConfigError as exc:
         console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
         raise typer.Exit(2) from exc
     console.print(f"run [bold]{pipe.run_id}[/bold] -> {pipe.run_dir}")
     pipe.run_dir.mkdir(parents=True, exist_ok=True)
-    record = {"pipeline": str(pipeline.resolve()), "run_id": pipe.run_id, "nats": nats}
+    record = {
+        "pipeline": str(pipeline.resolve()),
+        "run_id": pipe.run_id,
+        "nats": nats,
+        "overrides": list(overrides or ()),
+        "max_steps": max_steps,
+    }
     (pipe.run_dir / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
     try:
         summary = asyncio.run(_run(pipe, console))

@@ -23,6 +23,7 @@ Input should be a valid integer``; an unknown type lists the registered ones.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dora.bus import Bus
 from dora.pipeline.core import Pipeline
+from dora.pipeline.overrides import OverrideError, apply_overrides, max_steps_overrides
 from dora.registry import UnknownStageType, build_stage
 from dora.stage import RetryPolicy, StageError
 
@@ -87,8 +89,11 @@ def _errors(path: Path, prefix: str, exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def read_pipeline_file(path: Path) -> PipelineFile:
-    """Parse and validate the file's structure (not yet the stages' configs)."""
+def read_pipeline_file(
+    path: Path, overrides: Sequence[str] = (), max_steps: int | None = None
+) -> PipelineFile:
+    """Parse the file, apply ``--set`` overrides (and ``--max-steps``), and validate the
+    structure (not yet the stages' configs)."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -98,6 +103,11 @@ def read_pipeline_file(path: Path) -> PipelineFile:
         raise PipelineConfigError(f"{path}: invalid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise PipelineConfigError(f"{path}: expected a mapping with a `stages` list")
+    try:
+        extra = max_steps_overrides(raw, max_steps) if max_steps is not None else []
+        raw = apply_overrides(raw, [*overrides, *extra])
+    except OverrideError as exc:
+        raise PipelineConfigError(f"{path}: {exc}") from exc
     try:
         return PipelineFile.model_validate(raw)
     except ValidationError as exc:
@@ -111,10 +121,13 @@ def load_pipeline(
     bus: Bus | None = None,
     nats_url: str | None = None,
     run_dir: Path | None = None,
+    overrides: Sequence[str] = (),
+    max_steps: int | None = None,
 ) -> Pipeline:
-    """A ready-to-run Pipeline from a YAML file; arguments override the file's values."""
+    """A ready-to-run Pipeline from a YAML file; arguments override the file's values
+    (``overrides``: ``STAGE.path.to.field=VALUE``, see ``dora.pipeline.overrides``)."""
     path = Path(path)
-    spec = read_pipeline_file(path)
+    spec = read_pipeline_file(path, overrides, max_steps)
     name = spec.name or path.stem.replace(".", "_")
     try:
         pipeline = Pipeline(

@@ -1,0 +1,59 @@
+"""``dora run --set STAGE.path=VALUE`` and ``--max-steps``: applied before validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dora.pipeline import PipelineConfigError, read_pipeline_file
+from dora.pipeline.overrides import OverrideError, apply_overrides, parse_override
+
+QUICKSTART = Path(__file__).parents[2] / "pipelines" / "quickstart.yaml"
+
+
+def stage_config(spec, kind: str) -> dict:
+    return next(s.config for s in spec.stages if s.type == kind)
+
+
+def test_values_are_read_as_yaml() -> None:
+    assert parse_override("learner.learner.max_steps=5") == (["learner", "learner", "max_steps"], 5)
+    assert parse_override("rollout.engine={num_blocks: 8}")[1] == {"num_blocks": 8}
+    assert parse_override("x.mode=dora")[1] == "dora"
+    assert parse_override("x.flag=true")[1] is True
+    with pytest.raises(OverrideError, match=r"STAGE\.path\.to\.field=VALUE"):
+        parse_override("rollout.engines")
+
+
+def test_overrides_reach_stage_configs_and_top_level_keys() -> None:
+    spec = read_pipeline_file(
+        QUICKSTART,
+        ["rollout.engines=3", "learner.learner.optim.lr=0.001", "run_id=mine", "rollout.seed=4"],
+    )
+    rollout, learner = stage_config(spec, "rollout"), stage_config(spec, "learner")
+    assert rollout["engines"] == 3 and rollout["seed"] == 4
+    assert learner["learner"]["optim"]["lr"] == 0.001
+    assert learner["learner"]["optim"]["warmup_steps"] == 5  # siblings are kept
+    assert spec.run_id == "mine"
+
+
+def test_max_steps_sets_the_learner_and_its_schedule() -> None:
+    spec = read_pipeline_file(QUICKSTART, max_steps=7)
+    learner = stage_config(spec, "learner")["learner"]
+    assert learner["max_steps"] == 7 and learner["optim"]["total_steps"] == 7
+
+
+def test_a_bad_override_names_the_stage_or_field() -> None:
+    with pytest.raises(PipelineConfigError, match=r"no stage named .learnr.; stages: learner"):
+        read_pipeline_file(QUICKSTART, ["learnr.learner.max_steps=5"])
+    with pytest.raises(PipelineConfigError, match="'run_id' has no fields"):
+        read_pipeline_file(QUICKSTART, ["run_id.x=1"])
+    with pytest.raises(OverrideError, match="not a mapping"):
+        apply_overrides({"stages": [{"type": "a", "config": {"x": 1}}]}, ["a.x.y=2"])
+
+
+def test_a_wrong_type_fails_at_load_naming_the_field() -> None:
+    from dora.pipeline import load_pipeline
+
+    with pytest.raises(PipelineConfigError, match=r"stages\[4\]\.config\.count"):
+        load_pipeline(QUICKSTART, overrides=["prompt_source.count=many"])
