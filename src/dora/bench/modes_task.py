@@ -42,11 +42,18 @@ def _spec(
                 learner["optim"] = {**optim, "total_steps": steps}
             if staleness is not None:
                 learner["staleness_bound"] = staleness
-            # checkpoints are evaluated afterwards, all on the same frozen set
+            # checkpoints are evaluated afterwards, all on the same frozen set (_eval_set_spec)
             config["eval"] = {**config.get("eval", {}), "task": task, "set": {"per_stratum": 0}}
         elif entry["type"] == "prompt_source":
             config["task"] = task
     return spec
+
+
+def _eval_set_spec() -> dict[str, Any]:
+    """The quickstart learner's frozen eval set (``eval.set``), for every checkpoint."""
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    learner = next(e["config"] for e in spec["stages"] if e["type"] == "learner")
+    return dict(learner.get("eval", {}).get("set", {}))
 
 
 def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -57,15 +64,18 @@ def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return out
 
 
-def _evaluate(model_dir: Path, task: str, task_config: dict[str, Any]) -> tuple[float, float]:
-    """Greedy accuracy on the task's frozen eval set, with its SE clustered by problem."""
+def _evaluate(
+    model_dir: Path, task: str, task_config: dict[str, Any], spec: dict[str, Any]
+) -> tuple[float, float]:
+    """Greedy accuracy on the frozen eval set the pipeline's learner names (``eval.set``),
+    with its SE clustered by problem."""
     from dora.models import load_pretrained, load_tokenizer
     from dora.models.evaluate import clustered_mean, score_eval_set
     from dora.tasks import make_task
-    from dora.tasks.evalset import build_eval_set
+    from dora.tasks.evalset import EvalSetSpec, build_eval_set
 
     task_obj = make_task(task, **task_config)
-    eval_set = build_eval_set(task_obj)
+    eval_set = build_eval_set(task_obj, EvalSetSpec(**spec))
     model = load_pretrained(model_dir)
     scores = score_eval_set(model, load_tokenizer(model_dir), task_obj, eval_set)
     return clustered_mean(np.asarray(scores["greedy"]))
@@ -122,10 +132,11 @@ def run_task_comparison(
     task_config = (
         source["config"].get("task_config", {}) if source["config"]["task"] == task else {}
     )
-    start_acc, start_se = _evaluate(start_dir, task, task_config)
+    eval_spec = _eval_set_spec()
+    start_acc, start_se = _evaluate(start_dir, task, task_config, eval_spec)
     for run in runs:
         for step, model_dir in run["checkpoints"]:
-            accuracy, se = _evaluate(model_dir, task, task_config)
+            accuracy, se = _evaluate(model_dir, task, task_config, eval_spec)
             rows.append(
                 {
                     "mode": run["mode"],

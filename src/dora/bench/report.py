@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -47,7 +48,9 @@ def print_table(title: str, rows: Sequence[Row], console: Console | None = None)
         table.add_column(name, justify=justify, overflow="fold")
     for row in rows:
         table.add_row(*(_cell(row.get(name)) for name in columns))
-    (console or Console()).print(table)
+    if console is None:  # off a terminal (a log file) rich assumes 80 columns and folds cells
+        console = Console() if sys.stdout.isatty() else Console(width=240)
+    console.print(table)
     return table
 
 
