@@ -1,8 +1,10 @@
 """The learner stage: the GRPO learner service, then the held-out evaluation.
 
 A finite service stage: it runs ``LearnerService`` until ``max_steps`` (the run is over when
-the learner is), then saves the final policy as a HF checkpoint and measures greedy accuracy
-on the task's eval split next to the starting policy's, into ``<run_dir>/eval.json``.
+the learner is), then saves the final policy as a HF checkpoint and scores it and the starting
+policy on a frozen, de-duplicated, stratified eval set (``dora.tasks.evalset``): greedy and
+avg@k, pooled and per stratum, with standard errors clustered by problem and the paired gain,
+into ``<run_dir>/eval.json`` (per-problem scores in ``eval_scores.json``).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ not held out. So an eval set here is:
 - stratified by difficulty (a fixed number of problems per stratum, where that many distinct
   held-out problems exist), so the pooled figure is not one easy stratum in disguise;
 - frozen: a pure function of the task config and the spec, with a fingerprint (the sha256 of
-  the problems' identities in order) written next to every result, so two results can be
-  checked to come from the same set.
+  the problems' identities, texts and answers in order) written next to every result, so two
+  results can be checked to come from the same set.
 
 Tasks that know their problems' identity and difficulty (``identity``, ``difficulty`` and
 ``prompt_with_terms``) are stratified; any other task gives one stratum of distinct prompt
@@ -117,5 +117,6 @@ def build_eval_set(task: Task, spec: EvalSetSpec | None = None) -> EvalSet:
             prompts.append(prompt)
             labels.append(label)
             taken += 1
-    digest = hashlib.sha256("\n".join(_identity(task, p) for p in prompts).encode()).hexdigest()
+    lines = (f"{_identity(task, p)}\t{p.text}\t{p.answer}" for p in prompts)
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     return EvalSet(tuple(prompts), tuple(labels), digest[:16])
