@@ -391,3 +391,33 @@ async def test_depth_counts_naked_and_unacked_work(bus: Bus) -> None:
     assert state.depth == 3
     # a handed-back message counts as delivered-not-acked, not as never delivered (JetStream)
     assert (state.pending, state.ack_pending) == (2, 1)
+
+
+async def test_released_buffer_goes_back_to_the_queue_at_once(bus: Bus) -> None:
+    """Messages a client holds that no fetch returned are handed back by ``release_buffered``
+    and fetched at once by another reader, not after the 30 s ack wait."""
+    subject = bus.subjects.requests(4)
+    spec = ConsumerSpec("gen-v4", subject, ack_wait_s=30.0)
+    reader = await bus.consumer(spec)
+    for i in range(3):
+        await bus.publish(subject, str(i).encode(), msg_id=f"b{i}")
+    buffered = 0
+    if isinstance(bus, NatsBus):
+        # What a pull request that outlives its fetch does: the server delivers into the
+        # client's buffer and no fetch reads it (made deterministic by asking directly).
+        sub = reader._sub  # type: ignore[attr-defined]
+        await bus.nc.publish(sub._nms, b'{"batch": 3, "no_wait": true}', reply=sub._deliver)
+
+        async def delivered() -> None:
+            while sub._sub._pending_queue.qsize() < 3:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(delivered(), timeout=5.0)  # the server answers in milliseconds
+        assert (await reader.state()).ack_pending == 3
+        buffered = 3
+    assert await reader.release_buffered() == buffered
+    other = await bus.consumer(spec)
+    got = await other.fetch(batch=3, timeout=2.0)
+    assert sorted(int(m.data) for m in got) == [0, 1, 2]
+    for msg in got:
+        await msg.ack()

@@ -28,7 +28,7 @@ from dora.stages.rollout import RolloutStage
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 
-B, G, K, STEPS = 4, 8, 1, 8
+B, G, K, STEPS = 4, 8, 1, 12
 DIGITS = set("0123456789")
 
 

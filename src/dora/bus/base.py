@@ -202,6 +202,16 @@ class Consumer(abc.ABC):
     async def close(self) -> None:
         """Stop fetching (the durable consumer itself stays on the server)."""
 
+    async def release_buffered(self) -> int:
+        """Hand back (nak) messages delivered to this client that no fetch returned; how many.
+
+        A fetch can return while messages its pull requests asked for are still arriving; they
+        wait in the client until the next fetch on this consumer. A reader that stops fetching
+        (an engine moved to another version) must hand them back, or they sit unacked and
+        unserved until the ack wait expires. A bus without a client-side buffer has none.
+        """
+        return 0
+
 
 class Subscription(abc.ABC):
     """A live (core) subscription: an async iterator of messages."""

@@ -138,6 +138,20 @@ class _NatsConsumer(Consumer):
             return []
         return [_NatsMessage(m, durable=True) for m in msgs]
 
+    async def release_buffered(self) -> int:
+        # nats-py keeps what pull requests delivered after their fetch returned in the
+        # subscription's pending queue (its fetch drains that queue first, see _fetch_n).
+        inner = self._sub._sub
+        released = 0
+        while not inner._pending_queue.empty():
+            msg = inner._pending_queue.get_nowait()
+            inner._pending_size -= len(msg.data)
+            if JetStreamContext.is_status_msg(msg):
+                continue  # a status reply to an expired pull request, not a message
+            await msg.nak()
+            released += 1
+        return released
+
     async def state(self) -> ConsumerState:
         await self._nc.flush()  # let the server see our acks sent so far
         info = await self._sub.consumer_info()

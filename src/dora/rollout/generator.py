@@ -76,6 +76,7 @@ class Generator(ControlHandler, StatusReporter, RequestIntake):
             asyncio.create_task(self._report_status()),
             asyncio.create_task(self._heartbeat()),
             asyncio.create_task(self._pull_loop()),
+            asyncio.create_task(self._release_loop()),
         ]
         try:
             while not self._stop.is_set():

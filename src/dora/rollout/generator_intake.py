@@ -8,6 +8,7 @@ with the reason; one that is merely no longer ours (reassigned mid-fetch) is han
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from pydantic import ValidationError
@@ -46,6 +47,25 @@ class RequestIntake(GeneratorBase):
                 await self._admit(msg, version)
             if msgs:
                 self._wake.set()
+
+    async def _release_loop(self) -> None:
+        """Hand back requests buffered for queues this engine does not pull now.
+
+        A fetch can return while messages its pull requests asked for are still arriving; only
+        a later fetch on that queue takes them. An engine moved to another version makes none,
+        so they would sit unacked and unserved until the ack wait (30 s) expires: a live run
+        stalled 29 s on 29 such requests. Checked every status interval (they may arrive just
+        after the switch); the queue being pulled, and partial rollout's backlog, are left.
+        """
+        while True:
+            await asyncio.sleep(self.config.status_interval_s)
+            serving = self.engine.version == self.assigned and not self.draining
+            for version, consumer in list(self._consumers.items()):
+                if (serving and version == self.assigned) or version in self._backlog:
+                    continue
+                released = await consumer.release_buffered()
+                if released:
+                    self._log.info("buffered_requests_released", version=version, count=released)
 
     async def _pull_backlog(self, version: int, room: int) -> bool:
         """Partial rollout: take requests still queued under older versions first (they were
