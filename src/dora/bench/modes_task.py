@@ -217,8 +217,10 @@ def _plot(rows: list[dict[str, Any]], start: float, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for mode in sorted({r["mode"] for r in rows}):
-        for seed in sorted({r["seed"] for r in rows if r["mode"] == mode}):
+    styles = ("-", "--", ":", "-.")
+    for m, mode in enumerate(sorted({r["mode"] for r in rows})):
+        color = f"C{m}"  # one colour per mode, one line style per seed
+        for k, seed in enumerate(sorted({r["seed"] for r in rows if r["mode"] == mode})):
             mine = sorted(
                 (r for r in rows if r["mode"] == mode and r["seed"] == seed),
                 key=lambda r: r["step"],
@@ -227,8 +229,9 @@ def _plot(rows: list[dict[str, Any]], start: float, path: Path) -> None:
             xs_s = [0.0] + [r["seconds"] for r in mine]
             ys = [start] + [r["eval_accuracy"] for r in mine]
             label = f"{mode} seed {seed}"
-            axes[0].plot(xs_t, ys, marker="o", label=label)
-            axes[1].plot(xs_s, ys, marker="o", label=label)
+            style = {"color": color, "linestyle": styles[k % len(styles)], "marker": "o"}
+            axes[0].plot(xs_t, ys, label=label, **style)
+            axes[1].plot(xs_s, ys, label=label, **style)
     axes[0].set_xlabel("trajectories consumed")
     axes[1].set_xlabel("wall-clock seconds")
     for ax in axes:
