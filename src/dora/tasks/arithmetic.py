@@ -151,7 +151,8 @@ class ArithmeticTask(BaseTask):
                 return terms
         # few problems of a small size exist (45 two-term sums of one-digit numbers), and a
         # split may hold none of them
-        raise LookupError(f"no {split} problem with {num_terms} terms found")
+        size = "" if num_terms is None else f" with {num_terms} terms"
+        raise LookupError(f"no {split} problem{size} found")
 
     def prompt(self, split: Split, index: int) -> Prompt:
         """Problem ``index`` of ``split`` (deterministic by seed, split and index)."""
@@ -168,10 +169,6 @@ class ArithmeticTask(BaseTask):
     def identity(self, prompt: Prompt) -> str:
         """The problem's identity (its sorted terms)."""
         return identity(parse_terms(prompt))
-
-    def difficulty(self, prompt: Prompt) -> int:
-        """The number of terms: the scratchpad's length grows with it."""
-        return len(parse_terms(prompt))
 
     def _prompt(self, split: Split, index: int, num_terms: int | None) -> Prompt:
         check_split(split)

@@ -15,8 +15,8 @@ not held out. So an eval set here is:
   the problems' identities, texts and answers in order) written next to every result, so two
   results can be checked to come from the same set.
 
-Tasks that know their problems' identity and difficulty (``identity``, ``difficulty`` and
-``prompt_with_terms``) are stratified; any other task gives one stratum of distinct prompt
+Tasks that can draw a problem of a given size (``prompt_with_terms``) are stratified by it
+and de-duplicated by their ``identity``; any other task gives one stratum of distinct prompt
 texts.
 """
 
