@@ -70,8 +70,9 @@ async def scorer(bus: NatsBus) -> None:
 
 async def test_dora_mode_invariants(nats_server: NatsServer) -> None:
     """Every run checks every invariant; whether the orchestrator finds a consolidation worth
-    a migration depends on timing, so up to three runs may be needed to see one."""
-    for attempt in range(3):
+    a migration depends on timing, so up to five runs may be needed to see one (on a quiet
+    machine about half the runs migrate; under load fewer, and three tries failed 1 in 7)."""
+    for attempt in range(5):
         bus = NatsBus(Subjects(f"fleet{attempt}{uuid.uuid4().hex[:8]}"), nats_server.url)
         await bus.connect()
         try:
@@ -79,7 +80,7 @@ async def test_dora_mode_invariants(nats_server: NatsServer) -> None:
                 return
         finally:
             await bus.close()
-    pytest.fail("no successful KV migration in three live dora-mode runs")
+    pytest.fail("no successful KV migration in five live dora-mode runs")
 
 
 async def live_run(bus: NatsBus) -> bool:
