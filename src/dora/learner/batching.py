@@ -52,16 +52,12 @@ class Group:
     group_id: str
     version: int
     group_size: int
-    admitted: int = -1
-    """The dispatcher's tag (its ledger entry); -1: the same as ``version``."""
+    ledger_version: int
+    """The version the dispatcher admitted it under (its ledger entry); retagging in partial
+    rollout never changes it, while ``version`` follows the oldest token."""
     members: dict[int, ScoredTrajectory] = field(default_factory=dict)
     first_seen: float = 0.0
     completed_at: float = 0.0
-
-    @property
-    def ledger_version(self) -> int:
-        """The version the dispatcher's ledger counts this group under."""
-        return self.version if self.admitted < 0 else self.admitted
 
     @property
     def complete(self) -> bool:
