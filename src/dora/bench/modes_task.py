@@ -14,10 +14,14 @@ import asyncio
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import yaml
+
+if TYPE_CHECKING:
+    from dora.tasks import Task
+    from dora.tasks.evalset import EvalSet
 
 QUICKSTART = Path("pipelines/quickstart.yaml")
 
@@ -64,20 +68,14 @@ def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return out
 
 
-def _evaluate(
-    model_dir: Path, task: str, task_config: dict[str, Any], spec: dict[str, Any]
-) -> tuple[float, float]:
-    """Greedy accuracy on the frozen eval set the pipeline's learner names (``eval.set``),
-    with its SE clustered by problem."""
+def _evaluate(model_dir: Path, task: Task, eval_set: EvalSet) -> tuple[float, float]:
+    """Greedy accuracy of a checkpoint on the frozen eval set, with its SE clustered by
+    problem."""
     from dora.models import load_pretrained, load_tokenizer
     from dora.models.evaluate import clustered_mean, score_eval_set
-    from dora.tasks import make_task
-    from dora.tasks.evalset import EvalSetSpec, build_eval_set
 
-    task_obj = make_task(task, **task_config)
-    eval_set = build_eval_set(task_obj, EvalSetSpec(**spec))
     model = load_pretrained(model_dir)
-    scores = score_eval_set(model, load_tokenizer(model_dir), task_obj, eval_set)
+    scores = score_eval_set(model, load_tokenizer(model_dir), task, eval_set)
     return clustered_mean(np.asarray(scores["greedy"]))
 
 
@@ -120,6 +118,8 @@ def run_task_comparison(
 ) -> None:
     """Train each mode per seed, evaluate the checkpoints, print + save table and PNG."""
     from dora.bench.report import print_table, save_rows
+    from dora.tasks import make_task
+    from dora.tasks.evalset import EvalSetSpec, build_eval_set
 
     out = out or Path("runs/bench") / f"modes-{task}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
@@ -132,11 +132,13 @@ def run_task_comparison(
     task_config = (
         source["config"].get("task_config", {}) if source["config"]["task"] == task else {}
     )
-    eval_spec = _eval_set_spec()
-    start_acc, start_se = _evaluate(start_dir, task, task_config, eval_spec)
+    # one task and one frozen set (the quickstart learner's ``eval.set``) for every checkpoint
+    task_obj = make_task(task, **task_config)
+    eval_set = build_eval_set(task_obj, EvalSetSpec(**_eval_set_spec()))
+    start_acc, start_se = _evaluate(start_dir, task_obj, eval_set)
     for run in runs:
         for step, model_dir in run["checkpoints"]:
-            accuracy, se = _evaluate(model_dir, task, task_config, eval_spec)
+            accuracy, se = _evaluate(model_dir, task_obj, eval_set)
             rows.append(
                 {
                     "mode": run["mode"],
