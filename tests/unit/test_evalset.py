@@ -62,3 +62,11 @@ def test_summary_per_stratum_and_paired_gain() -> None:
     diffs = np.array([1, 1, 0, 0, 0, 1, 0, 0], dtype=float)
     assert gain["greedy"]["mean"] == pytest.approx(3 / 8)
     assert gain["greedy"]["se"] == pytest.approx(diffs.std(ddof=1) / np.sqrt(8))
+
+
+def test_per_stratum_counts_may_differ_and_must_match_the_strata() -> None:
+    task = make_task("chain", seed=0)
+    spec = EvalSetSpec(strata=((1, 2), (110, 140)), per_stratum=(30, 5))
+    assert build_eval_set(task, spec).stratum_sizes() == {"1-2": 30, "110-140": 5}
+    with pytest.raises(ValueError, match="per_stratum"):
+        EvalSetSpec(strata=((1, 2), (3, 4)), per_stratum=(30,))

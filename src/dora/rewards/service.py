@@ -25,6 +25,7 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_TASK_VERIFIERS: dict[str, str] = {
     "arithmetic": "exact_match",
+    "chain": "exact_match",
     "countdown": "countdown",
     "math": "math",
     "jsonl": "math",

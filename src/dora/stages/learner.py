@@ -108,7 +108,7 @@ class LearnerStage(Stage):
             "steps": self.service.step,
             "train_seconds": time.time() - self.started,
         }
-        if self.config.eval.set.per_stratum:
+        if sum(self.config.eval.set.counts()):
             result.update(self._evaluate(final))
         (self.run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
         headline = {k: v for k, v in result.items() if isinstance(v, int | float)}

@@ -2,7 +2,7 @@
 
 Stable API::
 
-    make_task(name, **config) -> Task      # "arithmetic", "countdown", "jsonl" (= "dataset")
+    make_task(name, **config) -> Task      # arithmetic, chain, countdown, jsonl (= dataset)
     task.prompt(split, index) -> Prompt    # deterministic by (seed, split, index)
     task.prompts(split, count, start=0) -> Iterator[Prompt]
     task.solve(prompt) -> str              # a correct reference completion
@@ -23,10 +23,12 @@ from dora.tasks.base import (
     register_task,
     task_names,
 )
+from dora.tasks.chain import ChainConfig, ChainTask
 from dora.tasks.countdown import CountdownConfig, CountdownTask
 from dora.tasks.dataset import DatasetConfig, DatasetTask, read_rows, sample_path
 
 register_task("arithmetic", ArithmeticConfig, ArithmeticTask)
+register_task("chain", ChainConfig, ChainTask)
 register_task("countdown", CountdownConfig, CountdownTask)
 register_task("jsonl", DatasetConfig, DatasetTask)
 register_task("dataset", DatasetConfig, DatasetTask)
@@ -36,6 +38,8 @@ __all__ = [
     "ArithmeticConfig",
     "ArithmeticTask",
     "BaseTask",
+    "ChainConfig",
+    "ChainTask",
     "CountdownConfig",
     "CountdownTask",
     "DatasetConfig",

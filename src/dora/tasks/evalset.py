@@ -43,7 +43,11 @@ class EvalSetSpec(BaseModel):
     split: Literal["eval", "dev"] = "eval"
     strata: tuple[tuple[int, int], ...] = DEFAULT_STRATA
     """Inclusive difficulty ranges (for arithmetic: number of terms)."""
-    per_stratum: int = Field(default=330, ge=0, description="Distinct problems per stratum.")
+    per_stratum: int | tuple[int, ...] = Field(
+        default=330,
+        description="Distinct problems per stratum: one count for all, or one per stratum (a "
+        "stratum of long problems costs more to score, and its problems are more alike).",
+    )
     attempts_per_problem: int = Field(
         default=20,
         ge=1,
@@ -56,7 +60,19 @@ class EvalSetSpec(BaseModel):
         for lo, hi in self.strata:
             if not 1 <= lo <= hi:
                 raise ValueError(f"stratum ({lo}, {hi}) must satisfy 1 <= low <= high")
+        counts = self.counts()
+        if len(counts) != len(self.strata) or min(counts, default=0) < 0:
+            raise ValueError(
+                f"per_stratum must be one count >= 0 or one per stratum ({len(self.strata)}), "
+                f"got {self.per_stratum}"
+            )
         return self
+
+    def counts(self) -> tuple[int, ...]:
+        """Wanted problems of each stratum, in order."""
+        if isinstance(self.per_stratum, int):
+            return (self.per_stratum,) * len(self.strata)
+        return self.per_stratum
 
 
 @dataclass(frozen=True)
@@ -94,12 +110,13 @@ def build_eval_set(task: Task, spec: EvalSetSpec | None = None) -> EvalSet:
     labels: list[str] = []
     stratified = hasattr(task, "prompt_with_terms")
     groups = spec.strata if stratified else ((0, 0),)
-    for low, high in groups:
+    counts = spec.counts() if stratified else (spec.counts()[0],)
+    for (low, high), wanted in zip(groups, counts, strict=True):
         label = stratum_label(low, high) if stratified else "all"
         sizes = list(range(low, high + 1))
         taken = 0
-        for i in range(spec.per_stratum * spec.attempts_per_problem):
-            if taken == spec.per_stratum or not sizes:
+        for i in range(wanted * spec.attempts_per_problem):
+            if taken == wanted or not sizes:
                 break
             if stratified:
                 n = sizes[i % len(sizes)]
