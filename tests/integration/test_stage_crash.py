@@ -86,8 +86,10 @@ async def test_sigkilled_stage_restarts_and_every_event_is_processed_once(
     try:
         await drain_sink(until=COUNT, timeout=60)
         await drain_sink(until=COUNT + 1, timeout=1.5)  # anything extra would be a duplicate
-        second.send_signal(signal.SIGTERM)  # clean stop: drain and exit 0
-        assert second.wait(timeout=30) == 0, (tmp_path / "worker.log").read_text()[-3000:]
+        second.send_signal(signal.SIGTERM)  # clean stop: drain, then exit 128 + SIGTERM
+        assert second.wait(timeout=30) == 128 + signal.SIGTERM, (
+            tmp_path / "worker.log"
+        ).read_text()[-3000:]
     finally:
         if second.poll() is None:
             os.kill(second.pid, signal.SIGKILL)

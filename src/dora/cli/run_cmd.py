@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from dora import interrupt
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -33,14 +35,21 @@ def _progress_rows(pipeline: Pipeline) -> list[tuple[str, int, int | None, str]]
     return rows
 
 
-async def _run(pipeline: Pipeline, console: Console, refresh_s: float = 0.2) -> dict[str, Any]:
+async def _run(
+    pipeline: Pipeline, console: Console, received: list[int], refresh_s: float = 0.2
+) -> dict[str, Any]:
+    """Run to completion; a first signal drains the stages (its number lands in
+    ``received``), a second one, or one during start-up, cancels."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     loop = asyncio.get_running_loop()
+    interrupt.clear()
     stop = asyncio.Event()
     current = asyncio.current_task()
 
-    def on_signal() -> None:
+    def on_signal(signum: int) -> None:
+        received.append(signum)
+        interrupt.request()  # reaches a warm start or an evaluation running in a thread
         if pipeline.runners and not stop.is_set():
             stop.set()  # running: drain the stages
         elif current is not None:
@@ -48,7 +57,7 @@ async def _run(pipeline: Pipeline, console: Console, refresh_s: float = 0.2) -> 
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, on_signal)
+            loop.add_signal_handler(sig, on_signal, sig)
     progress = Progress(
         TextColumn("[bold]{task.description:<12}"),
         BarColumn(),
@@ -198,12 +207,16 @@ def cli(
         "max_steps": max_steps,
     }
     (pipe.run_dir / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    received: list[int] = []
     try:
-        summary = asyncio.run(_run(pipe, console))
-    except asyncio.CancelledError:
+        summary = asyncio.run(_run(pipe, console, received))
+    except (asyncio.CancelledError, interrupt.Interrupted):
         console.print("[yellow]interrupted[/yellow]")
-        raise typer.Exit(130) from None
+        raise typer.Exit(128 + (received[0] if received else signal.SIGINT)) from None
     except PipelineError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(1) from exc
     _print_summary(console, summary, pipe.run_dir / "summary.json")
+    if received:  # drained and summarized, but stopped early: say so in the exit status
+        console.print(f"[yellow]stopped by signal {received[0]}; resume with --resume")
+        raise typer.Exit(128 + received[0])

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from dora import interrupt
 from dora.events import Prompt
 from dora.models.generate import generate
 from dora.models.llama import LlamaModel
@@ -52,6 +53,7 @@ def complete(
     order = sorted(range(len(prompts)), key=lambda i: len(task.solve(prompts[i])))
     texts: list[str] = [""] * len(prompts)
     for b in range(0, len(order), batch_size):
+        interrupt.check()  # an evaluation of long answers takes minutes: Ctrl-C between batches
         chunk = [prompts[i] for i in order[b : b + batch_size]]
         ids = [tokenizer.encode(p.text, add_bos=True) for p in chunk]
         outs = generate(

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
+from dora import interrupt
 from dora.events import Prompt
 from dora.models.checkpoint import build_model, save_pretrained
 from dora.models.evaluate import evaluate_task
@@ -272,6 +273,7 @@ def train(
     with Progress(*columns, disable=not progress, transient=False) as bar:
         job = bar.add_task("train", total=config.steps, loss=float("nan"), tps=0.0)
         for _step in range(config.steps):
+            interrupt.check()  # Ctrl-C stops a warm start within one step
             ids, seg, mask = next(batches)
             logits = model(ids, segment_ids=seg)
             target_mask = mask[:, 1:]
@@ -341,6 +343,7 @@ def _build(config: WarmstartConfig, target: Path, progress: bool) -> None:
     wall = time.perf_counter()
     model, tokenizer = build_model(config.preset, seed=config.seed, **config.model_overrides)
     task = make_task(config.task, seed=config.seed, **config.task_config)
+    log.info("warmstart_training", steps=config.steps, task=config.task, target=str(target))
     stats = train(model, tokenizer, task, config, progress)
     ev = evaluate_task(
         model,

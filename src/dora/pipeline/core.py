@@ -104,8 +104,10 @@ class Pipeline:
             return
         url = self.nats_url
         if url is None:
-            self._server = NatsServer(self.run_dir / "nats")
-            await asyncio.to_thread(self._server.start)
+            # spawned on the loop's thread (it lives as long as the run), so the server's
+            # parent-death signal fires only when the run's process dies
+            self._server = NatsServer(self.run_dir / "nats").spawn()
+            await asyncio.to_thread(self._server.wait_ready)
             url = self._server.url
         streams = default_streams(max_msgs=self.stream_max_msgs)
         bus = NatsBus(self.subjects, url, streams=streams)
