@@ -43,6 +43,11 @@ def test_dora_run_quickstart_on_embedded_nats(repo_root: Path, tmp_path: Path) -
     assert sum(s["stats"]["dead_lettered"] for s in stages.values()) == 0
     assert (run_dir / "nats").is_dir()  # JetStream lived in the run dir
     assert "completed" in result.output
+    assert summary["run_dir_bytes"] > 0
+    # the same run id again would find every prompt consumed and wait forever: refused
+    again = CliRunner().invoke(app, [*args, "--run-id", "qs-test"])
+    assert again.exit_code == 2
+    assert "already finished" in again.output and "--run-id" in again.output
 
 
 async def test_quickstart_against_a_given_server(

@@ -36,3 +36,12 @@ def test_ack_pending_room_covers_held_messages() -> None:
     cfg = LearnerConfig(batch_groups=64, checkpoint_every=10)
     assert cfg.ack_pending_limit >= 12 * 64 * 16
     assert LearnerConfig(max_ack_pending=50).ack_pending_limit == 50
+
+
+def test_weight_store_keeps_what_the_staleness_bound_needs_by_default() -> None:
+    assert LearnerConfig(staleness_bound=2).weight_versions_kept == 4  # K + 2
+    assert LearnerConfig(staleness_bound=0).weight_versions_kept == 2
+    assert LearnerConfig(keep_weight_versions="all").weight_versions_kept is None
+    assert LearnerConfig(keep_weight_versions=7).weight_versions_kept == 7
+    with pytest.raises(ValueError, match="keep_weight_versions"):
+        LearnerConfig(keep_weight_versions=0)

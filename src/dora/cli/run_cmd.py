@@ -2,13 +2,16 @@
 
 Without ``--nats`` it starts an embedded nats-server with JetStream in the run directory
 (default ``runs/<run_id>/``) and stops it at the end; the summary goes to
-``<run_dir>/summary.json``. Ctrl-C drains the stages and stops cleanly.
+``<run_dir>/summary.json``. A first Ctrl-C (or SIGTERM) drains the stages, writes the summary
+and exits 128 + the signal (130 for Ctrl-C): the run did not finish; a second one, or one
+during start-up (the warm start included), stops at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -92,10 +95,22 @@ async def _run(
     return summary
 
 
+def _finished(run_dir: Path) -> bool:
+    """A run folder whose summary says the run completed."""
+    try:
+        return bool(json.loads((run_dir / "summary.json").read_text()).get("completed"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _print_summary(console: Console, summary: dict[str, Any], path: Path) -> None:
     from rich.table import Table
 
-    table = Table(title=f"{summary['pipeline']} ({summary['run_id']}) in {summary['seconds']}s")
+    size = summary.get("run_dir_bytes")
+    disk = f", run folder {size / 2**20:.1f} MB" if size is not None else ""
+    table = Table(
+        title=f"{summary['pipeline']} ({summary['run_id']}) in {summary['seconds']}s{disk}"
+    )
     for column in ("stage", "processed", "published", "retried", "dead-lettered", "results"):
         table.add_column(column)
     for name, info in summary["stages"].items():
@@ -197,6 +212,13 @@ def cli(
     except PipelineConfigError as exc:
         console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
         raise typer.Exit(2) from exc
+    if resume is None and _finished(pipe.run_dir):
+        console.print(
+            f"[red]error:[/red] run {pipe.run_id} already finished in {pipe.run_dir} (its "
+            "prompts were all consumed, so it would wait forever); pick another --run-id",
+            highlight=False,
+        )
+        raise typer.Exit(2)
     console.print(f"run [bold]{pipe.run_id}[/bold] -> {pipe.run_dir}")
     pipe.run_dir.mkdir(parents=True, exist_ok=True)
     record = {

@@ -31,8 +31,10 @@ class LearnerConfig:
     weight_store: Literal["objectstore", "directory"] = "objectstore"
     weight_dir: Path | None = None
     """Directory of the ``directory`` weight store (default: ``<run_dir>/weights``)."""
-    keep_weight_versions: int | None = None
-    """Delete blobs older than the newest N versions (None: keep all)."""
+    keep_weight_versions: int | Literal["all"] | None = None
+    """Delete weight blobs older than the newest N versions. None (default): K + 2, every
+    version a request may still be generated with (K) plus the one being loaded and one of
+    slack; "all" keeps every version (the run's store then grows by a model per step)."""
     durable: str = "learner"
     fetch_batch: int = 64
     fetch_timeout_s: float = 0.5
@@ -54,8 +56,20 @@ class LearnerConfig:
             raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if self.max_steps is not None and self.max_steps < 0:
             raise ValueError(f"max_steps must be >= 0, got {self.max_steps}")
+        kept = self.keep_weight_versions
+        if kept is not None and kept != "all" and (not isinstance(kept, int) or kept < 1):
+            raise ValueError(f"keep_weight_versions must be >= 1, 'all' or null, got {kept!r}")
         if self.ack_wait_s <= 0:
             raise ValueError(f"ack_wait_s must be > 0, got {self.ack_wait_s}")
+
+    @property
+    def weight_versions_kept(self) -> int | None:
+        """How many newest weight versions the store keeps (None: all)."""
+        if self.keep_weight_versions == "all":
+            return None
+        if self.keep_weight_versions is None:
+            return self.staleness_bound + 2
+        return self.keep_weight_versions
 
     @property
     def ack_pending_limit(self) -> int:

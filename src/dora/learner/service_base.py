@@ -66,7 +66,7 @@ class LearnerBase:
                 transport = DirectoryTransport(config.weight_dir or self.run_dir / "weights")
             else:
                 transport = ObjectStoreTransport(bus)
-        self.publisher = WeightPublisher(bus, transport, config.keep_weight_versions)
+        self.publisher = WeightPublisher(bus, transport, config.weight_versions_kept)
         self.step = 0
         self.resumed_from: int | None = None
         self.history: deque[tuple[int, list[str]]] = deque(maxlen=HISTORY_STEPS)

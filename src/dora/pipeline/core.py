@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 import uuid
 from pathlib import Path
@@ -224,6 +225,7 @@ class Pipeline:
             "completed": self._completed,
             "started_at": self._started_at,
             "seconds": round(end - self._started_at, 3) if self._started_at else 0.0,
+            "run_dir_bytes": folder_bytes(self.run_dir),
             "stages": {
                 r.stage.name: {
                     "replicas": r.replicas,
@@ -239,3 +241,14 @@ class Pipeline:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary or self.summary(), indent=2, sort_keys=True) + "\n")
         return path
+
+
+def folder_bytes(path: Path) -> int:
+    """Bytes under ``path`` (0 when it does not exist): the run folder's size on disk, which
+    the summary reports so a growing store is seen before it fills the disk."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
