@@ -44,6 +44,8 @@ def test_dora_run_quickstart_on_embedded_nats(repo_root: Path, tmp_path: Path) -
     assert (run_dir / "nats").is_dir()  # JetStream lived in the run dir
     assert "completed" in result.output
     assert summary["run_dir_bytes"] > 0
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["url"].startswith("nats://127.0.0.1:") and record["url"] in result.output
     # the same run id again would find every prompt consumed and wait forever: refused
     again = CliRunner().invoke(app, [*args, "--run-id", "qs-test"])
     assert again.exit_code == 2

@@ -71,6 +71,7 @@ async def _run(
     )
     try:
         async with pipeline:
+            _announce(pipeline, console)
             ids = {}
             for name, done, total, extra in _progress_rows(pipeline):
                 ids[name] = progress.add_task(name, total=total, completed=done, extra=extra)
@@ -93,6 +94,18 @@ async def _run(
     summary = pipeline.summary()
     pipeline.write_summary(summary)
     return summary
+
+
+def _announce(pipeline: Pipeline, console: Console) -> None:
+    """Print where the run's streams are and record it in ``run.json``, so an outside
+    service can find the embedded server's random port without reading a log."""
+    url = pipeline.connected_url
+    console.print(f"nats [bold]{url}[/bold] run id [bold]{pipeline.run_id}[/bold]", highlight=False)
+    path = pipeline.run_dir / RUN_FILE
+    with contextlib.suppress(OSError, ValueError):
+        record = json.loads(path.read_text())
+        record["url"] = url
+        path.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def _finished(run_dir: Path) -> bool:

@@ -67,6 +67,8 @@ class Pipeline:
         self._bus = bus
         self._owns_bus = bus is None
         self._server: NatsServer | None = None
+        self.connected_url: str | None = None
+        """The NATS URL the run's bus uses (the embedded server's random port included)."""
         self._entries: list[tuple[Stage, int]] = []
         self.runners: list[StageRunner] = []
         self._stop_requested = asyncio.Event()
@@ -121,6 +123,7 @@ class Pipeline:
                 f"cannot connect to NATS at {url} within {self.connect_timeout}s: {exc!r}"
             ) from exc
         self._bus = bus
+        self.connected_url = url
 
     async def start(self) -> None:
         if self._running:
