@@ -82,3 +82,15 @@ async def test_custom_pipeline_example_runs(repo_root: Path, tmp_path: Path) -> 
         "stats": summary["stages"]["tally"]["stats"],
     }
     assert (tmp_path / "custom" / "summary.json").is_file()
+
+
+def test_unreachable_nats_fails_fast_naming_the_address(repo_root: Path, tmp_path: Path) -> None:
+    from dora.bus.server import free_port
+
+    url = f"nats://127.0.0.1:{free_port()}"
+    args = ["run", str(repo_root / "pipelines" / "echo.yaml"), "--nats", url]
+    result = CliRunner().invoke(app, [*args, "--run-dir", str(tmp_path / "run")])
+    assert result.exit_code == 1
+    text = " ".join(result.output.split())  # rich wraps at 80 columns
+    assert "nothing accepts connections" in text and "ConnectionRefused" in text
+    assert "nats connection error" not in text  # no retry chatter before it

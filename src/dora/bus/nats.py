@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import io
 from collections.abc import AsyncIterator, Awaitable, Callable
+from urllib.parse import urlsplit
 
 import nats
 import nats.errors
@@ -222,6 +223,7 @@ class NatsBus(Bus):
         return self._js
 
     async def connect(self) -> None:
+        await reachable(self.url)
         self._nc = await nats.connect(
             servers=[self.url],
             max_reconnect_attempts=self.reconnect_attempts,
@@ -458,3 +460,29 @@ class NatsBus(Bus):
     async def kv_delete(self, key: str) -> None:
         with contextlib.suppress(nats.js.errors.KeyNotFoundError):
             await (await self._kv_bucket()).delete(key)
+
+
+async def reachable(url: str, within_s: float = 5.0) -> None:
+    """Fail fast, with the real cause, when nothing accepts TCP connections at ``url``.
+
+    nats-py retries an unreachable server as it would a lost one (a warning per attempt,
+    then a bare ``TimeoutError``). A refused or unresolvable address is retried for
+    ``within_s`` (a server may be starting) and then raised as ``ConnectionError`` naming it.
+    """
+    parts = urlsplit(url if "://" in url else f"nats://{url}")
+    host, port = parts.hostname or "127.0.0.1", parts.port or 4222
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), within_s)
+        except (OSError, TimeoutError) as exc:
+            if loop.time() >= deadline:
+                cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                raise ConnectionError(f"nothing accepts connections at {host}:{port} ({cause})")
+            await asyncio.sleep(0.25)
+            continue
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return

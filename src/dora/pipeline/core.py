@@ -119,9 +119,7 @@ class Pipeline:
         except (TimeoutError, OSError) as exc:
             with contextlib.suppress(Exception):
                 await bus.close()
-            raise PipelineError(
-                f"cannot connect to NATS at {url} within {self.connect_timeout}s: {exc!r}"
-            ) from exc
+            raise PipelineError(f"cannot connect to NATS at {url}: {exc or repr(exc)}") from exc
         self._bus = bus
         self.connected_url = url
 
