@@ -46,6 +46,11 @@ def test_dora_run_quickstart_on_embedded_nats(repo_root: Path, tmp_path: Path) -
     assert summary["run_dir_bytes"] > 0
     record = json.loads((run_dir / "run.json").read_text())
     assert record["url"].startswith("nats://127.0.0.1:") and record["url"] in result.output
+    # the full structured log lands in the run folder; the console shows warnings and up
+    events = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    assert {"event", "level", "timestamp"} <= set(events[0])
+    assert any(e["event"] == "nats-server started" for e in events)
+    assert "nats-server started" not in result.output
     # the same run id again would find every prompt consumed and wait forever: refused
     again = CliRunner().invoke(app, [*args, "--run-id", "qs-test"])
     assert again.exit_code == 2

@@ -39,7 +39,7 @@ def test_ctrl_c_during_the_warm_start_stops_the_run(repo_root: Path, tmp_path: P
     run_dir = tmp_path / "run"
     env = {**os.environ, "DORA_CACHE": str(tmp_path / "cache")}
     cmd = [sys.executable, "-c", "from dora.cli import app; app()", "run", str(pipeline)]
-    cmd += ["--run-dir", str(run_dir)]
+    cmd += ["--run-dir", str(run_dir), "--log-level", "info"]
     proc = subprocess.Popen(
         cmd, cwd=repo_root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -479,7 +479,8 @@ async def reachable(url: str, within_s: float = 5.0) -> None:
         except (OSError, TimeoutError) as exc:
             if loop.time() >= deadline:
                 cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                raise ConnectionError(f"nothing accepts connections at {host}:{port} ({cause})")
+                msg = f"nothing accepts connections at {host}:{port} ({cause})"
+                raise ConnectionError(msg) from exc
             await asyncio.sleep(0.25)
             continue
         writer.close()

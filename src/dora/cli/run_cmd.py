@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from dora import interrupt
+from dora.logs import LEVELS
+from dora.logs import configure as configure_logs
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -39,7 +41,11 @@ def _progress_rows(pipeline: Pipeline) -> list[tuple[str, int, int | None, str]]
 
 
 async def _run(
-    pipeline: Pipeline, console: Console, received: list[int], refresh_s: float = 0.2
+    pipeline: Pipeline,
+    console: Console,
+    received: list[int],
+    refresh_s: float = 0.2,
+    quiet: bool = False,
 ) -> dict[str, Any]:
     """Run to completion; a first signal drains the stages (its number lands in
     ``received``), a second one, or one during start-up, cancels."""
@@ -68,6 +74,7 @@ async def _run(
         TextColumn("{task.fields[extra]}"),
         TimeElapsedColumn(),
         console=console,
+        disable=quiet,
     )
     try:
         async with pipeline:
@@ -195,6 +202,20 @@ def cli(
             "--max-steps", min=1, help="Learner steps (and the LR schedule's length) for this run."
         ),
     ] = None,
+    log_level: Annotated[
+        str,
+        typer.Option(
+            "--log-level",
+            help="Lowest level of log lines on the console: debug, info, warning, error (every "
+            "line at info and above goes to RUN_DIR/log.jsonl regardless).",
+        ),
+    ] = "warning",
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Console: errors only, no progress view.")
+    ] = False,
+    json_logs: Annotated[
+        bool, typer.Option("--json-logs", help="Console log lines as JSON objects.")
+    ] = False,
 ) -> None:
     """Run a pipeline until its finite stages finish (or Ctrl-C), with live progress."""
     import json
@@ -234,6 +255,18 @@ def cli(
         raise typer.Exit(2)
     console.print(f"run [bold]{pipe.run_id}[/bold] -> {pipe.run_dir}")
     pipe.run_dir.mkdir(parents=True, exist_ok=True)
+    level = "error" if quiet else log_level.lower()
+    if level not in LEVELS:
+        raise typer.BadParameter(
+            f"--log-level must be one of {', '.join(LEVELS)}, got {log_level!r}"
+        )
+    log_file = configure_logs(
+        pipe.run_dir,
+        level,  # type: ignore[arg-type]
+        console_json=json_logs,
+        file_level="debug" if level == "debug" else "info",
+    )
+    console.print(f"log -> {log_file}", highlight=False)
     record = {
         "pipeline": str(pipeline.resolve()),
         "run_id": pipe.run_id,
@@ -244,7 +277,7 @@ def cli(
     (pipe.run_dir / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
     received: list[int] = []
     try:
-        summary = asyncio.run(_run(pipe, console, received))
+        summary = asyncio.run(_run(pipe, console, received, quiet=quiet))
     except (asyncio.CancelledError, interrupt.Interrupted):
         console.print("[yellow]interrupted[/yellow]")
         raise typer.Exit(128 + (received[0] if received else signal.SIGINT)) from None
