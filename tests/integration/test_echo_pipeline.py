@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -27,7 +28,12 @@ def small_quickstart(repo_root: Path, tmp_path: Path) -> Path:
     return path
 
 
-def test_dora_run_quickstart_on_embedded_nats(repo_root: Path, tmp_path: Path) -> None:
+def test_dora_run_quickstart_on_embedded_nats(
+    repo_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dora.cli import run_cmd
+
+    monkeypatch.setattr(run_cmd, "PLAIN_PROGRESS_S", 0.0)  # a line at every refresh
     run_dir = tmp_path / "run"
     args = ["run", str(small_quickstart(repo_root, tmp_path)), "--run-dir", str(run_dir)]
     result = CliRunner().invoke(app, [*args, "--run-id", "qs-test"])
@@ -43,6 +49,8 @@ def test_dora_run_quickstart_on_embedded_nats(repo_root: Path, tmp_path: Path) -
     assert sum(s["stats"]["dead_lettered"] for s in stages.values()) == 0
     assert (run_dir / "nats").is_dir()  # JetStream lived in the run dir
     assert "completed" in result.output
+    # off a terminal (CliRunner, CI, a log file) progress comes as plain lines
+    assert "progress  prompts " in result.output and f"sink {COUNT}" in result.output
     assert summary["run_dir_bytes"] > 0
     record = json.loads((run_dir / "run.json").read_text())
     assert record["url"].startswith("nats://127.0.0.1:") and record["url"] in result.output

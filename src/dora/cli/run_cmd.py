@@ -40,6 +40,18 @@ def _progress_rows(pipeline: Pipeline) -> list[tuple[str, int, int | None, str]]
     return rows
 
 
+PLAIN_PROGRESS_S = 10.0
+"""Off a terminal, a one-line progress report this often (the live view needs a TTY)."""
+
+
+def _plain_progress(pipeline: Pipeline) -> str:
+    """``progress  learner 12/150 | rollout 830 | ...``: every stage's processed count."""
+    parts = []
+    for name, done, total, _extra in _progress_rows(pipeline):
+        parts.append(f"{name} {done}/{total}" if total else f"{name} {done}")
+    return "progress  " + " | ".join(parts)
+
+
 async def _run(
     pipeline: Pipeline,
     console: Console,
@@ -84,9 +96,14 @@ async def _run(
                 ids[name] = progress.add_task(name, total=total, completed=done, extra=extra)
             waiter = asyncio.create_task(pipeline.wait())
             stopper = asyncio.create_task(stop.wait())
+            plain = not console.is_terminal and not quiet  # a log file or CI: no live view
+            last_line = loop.time()
             with progress:
                 while not waiter.done():
                     await asyncio.wait({waiter, stopper}, timeout=refresh_s)
+                    if plain and loop.time() - last_line >= PLAIN_PROGRESS_S:
+                        last_line = loop.time()
+                        console.print(_plain_progress(pipeline), highlight=False, soft_wrap=True)
                     if stopper.done() and not waiter.done():
                         console.print("[yellow]stopping: draining stages...")
                         await pipeline.stop()
