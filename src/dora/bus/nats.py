@@ -8,6 +8,7 @@ state goes to a JetStream key-value bucket.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import io
@@ -434,6 +435,14 @@ class NatsBus(Bus):
         store = await self._object_store()
         with contextlib.suppress(nats.js.errors.ObjectNotFoundError):
             await store.delete(name)
+        # nats-py's delete leaves a "deleted" marker as the object's meta message; each marker
+        # pins a whole message block of the file store, so a run that replaces its weights every
+        # step kept every version on disk (550 MB of 47 MB live in the demo). Purging the
+        # marker's subject lets the server drop the emptied blocks.
+        bucket = self.subjects.blob_bucket
+        meta = f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await self.js.purge_stream(f"OBJ_{bucket}", subject=meta)
 
     def lease(self, ack_token: str) -> Message:
         return _NatsLease(self.nc, ack_token)
