@@ -119,6 +119,20 @@ def write(tmp_path: Path, text: str) -> Path:
             "stages:\n  - type: 'dora.nothing_here:X'\n",
             ["stages[0].type", "cannot import module 'dora.nothing_here'"],
         ),
+        (  # nested service configs are checked at load, before any server or warm start
+            "stages:\n  - type: learner\n    config:\n      model: {warmstart: {}}\n"
+            "      learner: {max_step: 2}\n",
+            ["stages[0].config.learner", "'max_step' (did you mean 'max_steps'?)"],
+        ),
+        (
+            "stages:\n  - type: rollout\n    config:\n      model: {warmstart: {}}\n"
+            "      engine: {num_blocs: 64}\n",
+            ["stages[0].config.engine", "'num_blocs' (did you mean 'num_blocks'?)"],
+        ),
+        (
+            "stages:\n  - type: verifier\n    consumes: trajectory\n",
+            ["stages[0].consumes", "unknown family 'trajectory'"],
+        ),
     ],
 )
 def test_bad_pipeline_files_name_file_and_field(

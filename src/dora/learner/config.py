@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -97,7 +98,20 @@ def _build(cls: Any, data: dict[str, Any], where: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ValueError(f"{where}: unknown field(s) {unknown}; known: {sorted(names)}")
+        raise ValueError(f"{where}: {unknown_fields_message(unknown, names)}")
     if "betas" in data:
         data = {**data, "betas": tuple(data["betas"])}
     return cls(**data)
+
+
+def unknown_fields_message(unknown: list[str], known: set[str]) -> str:
+    """``unknown field 'max_step' (did you mean 'max_steps'?)``, or the known names when
+    nothing is close: short enough to read in one or two lines."""
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=1)
+        parts.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    message = f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(parts)}"
+    if not all(difflib.get_close_matches(n, known, n=1) for n in unknown):
+        message += f"; known: {', '.join(sorted(known))}"
+    return message

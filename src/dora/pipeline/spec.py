@@ -34,7 +34,8 @@ from dora.bus import Bus
 from dora.pipeline.core import Pipeline
 from dora.pipeline.overrides import OverrideError, apply_overrides, max_steps_overrides
 from dora.registry import UnknownStageType, build_stage
-from dora.stage import RetryPolicy, StageError
+from dora.stage import RetryPolicy, StageError, resolve_subject
+from dora.subjects import Subjects
 
 
 class PipelineConfigError(ValueError):
@@ -153,6 +154,11 @@ def load_pipeline(
                 consumes=entry.consumes,
                 config=entry.config,
             )
+            if stage.consumes is not None:  # a misspelt subject fails here, not at start
+                try:
+                    resolve_subject(Subjects("check"), stage.consumes)
+                except StageError as exc:
+                    raise PipelineConfigError(f"{path}: {where}.consumes: {exc}") from exc
             pipeline.add(stage, replicas=entry.replicas)
         except UnknownStageType as exc:
             raise PipelineConfigError(f"{path}: {where}.type: {exc}") from exc

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dora.events import Event
 from dora.stage import Context, Stage
@@ -48,6 +48,18 @@ class LearnerStageConfig(BaseModel):
     learner: dict[str, Any] = Field(default_factory=dict, description="LearnerConfig fields.")
     eval: EvalConfig = Field(default_factory=EvalConfig)
     torch_threads: int | None = Field(default=None, ge=1)
+
+    @field_validator("learner")
+    @classmethod
+    def _learner_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """Checked at load, so a misspelt field fails before a server or a warm start runs."""
+        from dora.learner.config import LearnerConfig
+
+        try:
+            LearnerConfig.from_dict(value)
+        except TypeError as exc:
+            raise ValueError(str(exc)) from exc
+        return value
 
 
 class LearnerStage(Stage):

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from dora.events import Event, SamplingParams
 from dora.rollout.generator import RolloutMode
@@ -40,6 +40,28 @@ class RolloutConfig(BaseModel):
         default_factory=dict, description="OrchestratorConfig fields (dora mode)."
     )
     torch_threads: int | None = Field(default=1, ge=1, description="Intra-op threads per op.")
+
+    @field_validator("engine", "orchestrator")
+    @classmethod
+    def _known_fields(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """Checked at load, so a misspelt field fails before a server or a warm start runs."""
+        import dataclasses
+
+        from dora.engines.torch import EngineConfig
+        from dora.rollout.orchestrator import OrchestratorConfig
+
+        target = EngineConfig if info.field_name == "engine" else OrchestratorConfig
+        known = {f.name for f in dataclasses.fields(target)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            from dora.learner.config import unknown_fields_message
+
+            raise ValueError(unknown_fields_message(unknown, known))
+        try:
+            target(**value)
+        except TypeError as exc:
+            raise ValueError(str(exc)) from exc
+        return value
 
 
 class RolloutStage(Stage):
