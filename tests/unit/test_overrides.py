@@ -57,3 +57,17 @@ def test_a_wrong_type_fails_at_load_naming_the_field() -> None:
 
     with pytest.raises(PipelineConfigError, match=r"stages\[4\]\.config\.count"):
         load_pipeline(QUICKSTART, overrides=["prompt_source.count=many"])
+
+
+def test_eval_headline_states_the_gain_with_its_standard_error() -> None:
+    from dora.cli.run_cmd import eval_headline
+
+    results = {
+        "start_accuracy": 0.008,
+        "final_accuracy": 0.041,
+        "gain_accuracy": 0.033,
+        "gain_accuracy_se": 0.0065,
+    }
+    line = eval_headline(results)
+    assert line is not None and "0.8% -> 4.1%" in line and "+3.3 ± 0.7 points" in line
+    assert eval_headline({"steps": 3}) is None

@@ -141,6 +141,8 @@ def _finished(run_dir: Path) -> bool:
 
 
 def _print_summary(console: Console, summary: dict[str, Any], path: Path) -> None:
+    """Counts per stage in a table, then each stage's results in full (a table cell would
+    cut them at the terminal's width), then the eval headline when there is one."""
     from rich.table import Table
 
     size = summary.get("run_dir_bytes")
@@ -148,26 +150,45 @@ def _print_summary(console: Console, summary: dict[str, Any], path: Path) -> Non
     table = Table(
         title=f"{summary['pipeline']} ({summary['run_id']}) in {summary['seconds']}s{disk}"
     )
-    for column in ("stage", "processed", "published", "retried", "dead-lettered", "results"):
+    for column in ("stage", "processed", "published", "retried", "dead-lettered"):
         table.add_column(column)
     for name, info in summary["stages"].items():
         stats = info["stats"]
-        results = "\n".join(
-            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-            for k, v in info.items()
-            if k not in ("stats", "replicas")
-        )
         table.add_row(
             name,
             str(stats["processed"]),
             str(stats["published"]),
             str(stats["retried"]),
             str(stats["dead_lettered"]),
-            results,
         )
     console.print(table)
+    for name, info in summary["stages"].items():
+        results = [
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in info.items()
+            if k not in ("stats", "replicas")
+        ]
+        if results:
+            console.print(f"{name}: " + "  ".join(results), highlight=False, soft_wrap=True)
+    for info in summary["stages"].values():
+        line = eval_headline(info)
+        if line:
+            console.print(f"[bold]{line}[/bold]", highlight=False, soft_wrap=True)
     state = "completed" if summary["completed"] else "stopped before completion"
     console.print(f"{state}; summary: {path}")
+
+
+def eval_headline(results: dict[str, Any]) -> str | None:
+    """``eval (frozen set): greedy 0.8% -> 4.6%, gain +3.8 ± 0.7 points`` from a learner's
+    results, or None when it ran no eval."""
+    keys = ("start_accuracy", "final_accuracy", "gain_accuracy", "gain_accuracy_se")
+    if not all(isinstance(results.get(k), int | float) for k in keys):
+        return None
+    start, final, gain, se = (100 * float(results[k]) for k in keys)
+    return (
+        f"eval (frozen held-out set): greedy {start:.1f}% -> {final:.1f}%, "
+        f"gain {gain:+.1f} ± {se:.1f} points (SE clustered by problem)"
+    )
 
 
 RUN_FILE = "run.json"
