@@ -205,6 +205,7 @@ class NatsBus(Bus):
         self.create_streams = create_streams
         self.reconnect_attempts = reconnect_attempts
         self._nc: Client | None = None
+        self._closing = False
         self._js: JetStreamContext | None = None
         self._objects: ObjectStore | None = None
         self._kv: KeyValue | None = None
@@ -224,6 +225,7 @@ class NatsBus(Bus):
         return self._js
 
     async def connect(self) -> None:
+        self._closing = False
         await reachable(self.url)
         self._nc = await nats.connect(
             servers=[self.url],
@@ -244,7 +246,10 @@ class NatsBus(Bus):
         log.warning("nats connection error", url=self.url, error=f"{type(exc).__name__}: {exc}")
 
     async def _on_disconnected(self) -> None:
-        log.warning("nats disconnected", url=self.url)
+        if self._closing:  # our own close(): expected, not worth a warning
+            log.debug("nats disconnected", url=self.url)
+        else:
+            log.warning("nats disconnected", url=self.url)
 
     async def _on_reconnected(self) -> None:
         log.info("nats reconnected", url=self.url)
@@ -270,6 +275,7 @@ class NatsBus(Bus):
         # Pull and live subscriptions may hold messages nobody will read (late deliveries,
         # fetch status replies); draining would wait for them until drain_timeout. Drop those
         # first (unacked ones are redelivered), then drain so running rpc handlers can reply.
+        self._closing = True
         for stop in self._readers:
             with contextlib.suppress(nats.errors.Error):
                 await stop()

@@ -315,7 +315,8 @@ class BatchSelector:
         chosen = urgent if len(urgent) > self.b else ready[: self.b]
         if len(urgent) > self.b:
             self.oversize_batches += 1
-            log.warning("oversize_batch_for_urgent_groups", step=step, groups=len(urgent), b=self.b)
+            # by design (K forces them in) and counted in the metrics: not a warning
+            log.info("oversize_batch_for_urgent_groups", step=step, groups=len(urgent), b=self.b)
         wait = 0.0 if self._wait_started is None else now - self._wait_started
         self._wait_started = None
         return Batch(step=step, groups=chosen, wait_s=wait, urgent=len(urgent))
