@@ -218,10 +218,12 @@ def test_empty_run_and_bad_lines(tmp_path: Path) -> None:
     assert render_report(load_run(tmp_path)).is_file()
     ev = tmp_path / "events"
     ev.mkdir()
-    (ev / "migrations.jsonl").write_text('{"request_id": "r"}\nnot json\n')
+    deep = "[" * 100_000 + "]" * 100_000  # a hostile payload recorded verbatim
+    (ev / "migrations.jsonl").write_text('{"request_id": "r"}\nnot json\n' + deep + "\n")
     run = load_run(tmp_path)
     assert run.migrations == []
-    assert len(run.problems) == 2
+    assert len(run.problems) == 3
+    assert any("nested too deeply" in p for p in run.problems)
     assert any("source" in p for p in run.problems) and any("not JSON" in p for p in run.problems)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_run(tmp_path / "missing")
@@ -243,6 +245,10 @@ def test_cli(tmp_path: Path) -> None:
     )
     missing = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])
     assert missing.exit_code == 2
+    (tmp_path / "empty").mkdir()
+    empty = CliRunner().invoke(app, ["report", str(tmp_path / "empty")])
+    assert empty.exit_code == 2 and "holds no recorded run" in empty.output
+    assert not (tmp_path / "empty" / "report.png").exists()
 
 
 def make_long_run(run_dir: Path, versions: int = 40) -> Path:

@@ -28,6 +28,13 @@ def cli(
     if not run_dir.is_dir():
         console.print(f"[red]run directory {run_dir} does not exist[/red]")
         raise typer.Exit(2)
+    if not (run_dir / "events").is_dir() and not (run_dir / "metrics.jsonl").is_file():
+        console.print(
+            f"[red]{run_dir} holds no recorded run[/red] (no events/ and no metrics.jsonl): "
+            "give the folder `dora run` made (runs/<run_id>/)",
+            highlight=False,
+        )
+        raise typer.Exit(2)
     run = load_run(run_dir)
     path = render_report(run, out)
     summary = summarize(run)

@@ -139,6 +139,9 @@ def _lines(path: Path, problems: list[str]) -> Iterator[dict[str, Any]]:
             except ValueError as exc:
                 problems.append(f"{path.name}:{number}: not JSON ({exc})")
                 continue
+            except RecursionError:  # a hostile, deeply nested payload recorded verbatim
+                problems.append(f"{path.name}:{number}: nested too deeply to read")
+                continue
             if isinstance(obj, dict):
                 yield obj
             else:
