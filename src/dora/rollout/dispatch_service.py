@@ -20,6 +20,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import structlog
+from pydantic import ValidationError
 
 from dora.aio import cancel_all
 from dora.bus import Bus, ConsumerSpec, Message, Subscription
@@ -33,6 +34,7 @@ from dora.events import (
     WeightVersion,
 )
 from dora.rollout.dispatcher import Dispatcher, Tokenize
+from dora.stage.deadletter import build_dead_letter, validation_reason
 
 log = structlog.get_logger(__name__)
 
@@ -177,15 +179,20 @@ class DispatchService:
             msgs = await consumer.fetch(batch=256, timeout=1.0)  # type: ignore[attr-defined]
             if not msgs:
                 continue
+            rejected: list[tuple[Message, str]] = []
             async with self._lock:
                 for msg in msgs:
                     try:
                         handle(msg.data)  # type: ignore[operator]
+                    except ValidationError as exc:
+                        rejected.append((msg, validation_reason(_model_of(handle), exc)))
                     except (ValueError, KeyError) as exc:
-                        self._log.warning(
-                            "observation_ignored", subject=msg.subject, error=str(exc)
-                        )
+                        rejected.append((msg, f"{type(exc).__name__}: {exc}"))
             await self._write_ledger()
+            for msg, reason in rejected:  # kept with the reason, never silently dropped
+                self._log.warning("observation_rejected", subject=msg.subject, reason=reason)
+                letter = await build_dead_letter(self.bus, msg, "dispatcher", reason)
+                await self.bus.publish_event(self.bus.subjects.deadletter, letter)
             for msg in msgs:
                 await msg.ack()
             self._changed.set()
@@ -207,3 +214,10 @@ class DispatchService:
 
 
 __all__ = ["LEDGER_KEY", "DispatchService", "Tokenize", "request_event_id"]
+
+
+def _model_of(handle: object) -> type:
+    """The event type an observation handler parses (for the dead letter's reason)."""
+    name = getattr(handle, "__name__", "")
+    models = {"_on_scored": ScoredTrajectory, "_on_metrics": Metrics, "_on_weights": WeightVersion}
+    return models.get(name, Metrics)
