@@ -181,3 +181,15 @@ async def test_sink_counting_dead_letters_completes_despite_rejections(bus: Memo
     assert summary["stages"]["sink"]["count"] == 5
     assert summary["stages"]["sink"]["dead_letters"] == 5
     assert summary["stages"]["generator"]["stats"]["dead_lettered"] == 5
+
+
+def test_stage_module_next_to_the_yaml_is_importable_without_pythonpath(tmp_path: Path) -> None:
+    (tmp_path / "my_local_stages.py").write_text(
+        "from dora.events import Prompt\n"
+        "from dora.stage import stage\n\n"
+        "@stage(consumes='prompts')\n"
+        "async def shout(p: Prompt, ctx) -> None:\n"
+        "    ctx.log.info('seen')\n"
+    )
+    pipe = load_pipeline(write(tmp_path, "stages:\n  - type: 'my_local_stages:shout'\n"))
+    assert [s.name for s in pipe.stages] == ["shout"]

@@ -23,6 +23,8 @@ Input should be a valid integer``; an unknown type lists the registered ones.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -142,6 +144,8 @@ def load_pipeline(
         )
     except (ValueError, StageError) as exc:
         raise PipelineConfigError(f"{path}: run_id: {exc}") from exc
+    if any(":" in entry.type for entry in spec.stages):
+        importable_beside(path)
     for i, entry in enumerate(spec.stages):
         where = f"stages[{i}]"
         retry = RetryPolicy(**entry.retry.model_dump()) if entry.retry else None
@@ -167,3 +171,11 @@ def load_pipeline(
         except (StageError, TypeError) as exc:
             raise PipelineConfigError(f"{path}: {where}: {exc}") from exc
     return pipeline
+
+
+def importable_beside(path: Path) -> None:
+    """Let ``type: mystages:my_reward`` find ``mystages.py`` next to the YAML file or in the
+    working directory without PYTHONPATH (appended: installed packages still win)."""
+    for folder in (str(path.resolve().parent), os.getcwd()):
+        if folder not in sys.path:
+            sys.path.append(folder)
