@@ -10,7 +10,7 @@ from dora.rewards import make_verifier
 from dora.tasks import Task, TaskConfigError, make_task, task_names
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "chain", "countdown"])
+@pytest.mark.parametrize("name", ["arithmetic", "chain", "tally", "countdown"])
 def test_deterministic_by_seed(name: str) -> None:
     a = [p.text for p in make_task(name, seed=3).prompts("train", 50)]
     b = [p.text for p in make_task(name, seed=3).prompts("train", 50)]
@@ -21,7 +21,7 @@ def test_deterministic_by_seed(name: str) -> None:
     assert task.prompt("eval", 7).text == make_task(name, seed=3).prompt("eval", 7).text
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "chain", "countdown"])
+@pytest.mark.parametrize("name", ["arithmetic", "chain", "tally", "countdown"])
 def test_splits_are_disjoint(name: str) -> None:
     task = make_task(name, seed=0)
     train = {p.text for p in task.prompts("train", 2000)}
@@ -31,7 +31,7 @@ def test_splits_are_disjoint(name: str) -> None:
     assert len({p.prompt_id for p in evals}) == 200
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "chain", "countdown"])
+@pytest.mark.parametrize("name", ["arithmetic", "chain", "tally", "countdown"])
 def test_solve_is_verified_correct(name: str) -> None:
     task = make_task(name, seed=1)
     verifier = make_verifier("countdown" if name == "countdown" else "exact_match")

@@ -26,6 +26,7 @@ log = structlog.get_logger(__name__)
 DEFAULT_TASK_VERIFIERS: dict[str, str] = {
     "arithmetic": "exact_match",
     "chain": "exact_match",
+    "tally": "exact_match",
     "countdown": "countdown",
     "math": "math",
     "jsonl": "math",

@@ -2,7 +2,7 @@
 
 Stable API::
 
-    make_task(name, **config) -> Task      # arithmetic, chain, countdown, jsonl (= dataset)
+    make_task(name, **config) -> Task      # arithmetic, chain, tally, countdown, jsonl (= dataset)
     task.prompt(split, index) -> Prompt    # deterministic by (seed, split, index)
     task.prompts(split, count, start=0) -> Iterator[Prompt]
     task.solve(prompt) -> str              # a correct reference completion
@@ -26,10 +26,12 @@ from dora.tasks.base import (
 from dora.tasks.chain import ChainConfig, ChainTask
 from dora.tasks.countdown import CountdownConfig, CountdownTask
 from dora.tasks.dataset import DatasetConfig, DatasetTask, read_rows, sample_path
+from dora.tasks.tally import TallyConfig, TallyTask
 
 register_task("arithmetic", ArithmeticConfig, ArithmeticTask)
 register_task("chain", ChainConfig, ChainTask)
 register_task("countdown", CountdownConfig, CountdownTask)
+register_task("tally", TallyConfig, TallyTask)
 register_task("jsonl", DatasetConfig, DatasetTask)
 register_task("dataset", DatasetConfig, DatasetTask)
 
@@ -45,6 +47,8 @@ __all__ = [
     "DatasetConfig",
     "DatasetTask",
     "Split",
+    "TallyConfig",
+    "TallyTask",
     "Task",
     "TaskConfig",
     "TaskConfigError",

@@ -1,0 +1,151 @@
+"""Take ``n`` unit steps from ``a``: a scratchpad of ``n + 1`` lines that a tiny model learns.
+
+The candidate for a long-tailed main job. What a ~3M parameter character model learns fast
+in a short warm start is a rule that looks only at the line before (increment, decrement);
+what it learns slowly is fetching a number from the prompt (the arithmetic task's terms, the
+``chain`` task's step and bound). So here every line but the first is local: the left column
+counts the steps still to take down to 0 (stopping is local too), the right column counts the
+value up. The first line restates the question, the one copy from the prompt.
+
+Example (prompt, then completion)::
+
+    Q: 569+3
+    A:
+    3 569
+    2 570
+    1 571
+    0 572
+    answer: 572
+
+The number of steps follows a truncated zipf law, and every ``long_every``-th problem is drawn
+from a long stratum (150+ steps, 1,000+ tokens). The shortcut (``a + n`` in one go) is a
+three-digit addition the tiny model does not get right in one token.
+
+Measured (seed 1, 2 threads, 460 warm-start steps of 2,048 tokens on problems of at most 60 steps,
+greedy): 88% right at n = 1, 62% at n = 3, 25% at n = 8, 0% from n = 20. Almost every error
+is in the first line's copy of ``a``; the counting and the stop are nearly always right. On
+problems longer than any it was trained on (n >= 80) it copies only the last digits of n.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+
+from pydantic import Field, model_validator
+
+from dora.events import Prompt
+from dora.tasks.base import BaseTask, Split, TaskConfig, check_split, rng_for, split_of
+
+_PROBLEM = re.compile(r"Q: (\d+)\+(\d+)\n")
+
+
+class TallyConfig(TaskConfig):
+    """Step-count distribution and start range."""
+
+    min_steps: int = Field(default=1, ge=1, le=999)
+    max_steps: int = Field(default=60, ge=1, le=999)
+    zipf_alpha: float = Field(default=1.3, gt=1.0, le=10.0)
+    long_every: int = Field(
+        default=0,
+        ge=0,
+        description="Every this many problems (index % long_every == 0) takes a step count "
+        "drawn uniformly from [long_min_steps, long_max_steps]; 0: none.",
+    )
+    long_min_steps: int = Field(default=150, ge=1, le=999)
+    long_max_steps: int = Field(default=190, ge=1, le=999)
+    max_start: int = Field(default=699, ge=0, le=10**6)
+    eval_percent: int = Field(default=10, ge=1, le=50)
+    dev_percent: int = Field(default=5, ge=0, le=40)
+
+    @model_validator(mode="after")
+    def _ranges(self) -> TallyConfig:
+        if self.max_steps < self.min_steps:
+            raise ValueError(f"max_steps ({self.max_steps}) < min_steps ({self.min_steps})")
+        if self.long_every and self.long_max_steps < self.long_min_steps:
+            raise ValueError(
+                f"long_max_steps ({self.long_max_steps}) < long_min_steps ({self.long_min_steps})"
+            )
+        return self
+
+
+def scratchpad(start: int, steps: int) -> str:
+    """The reference completion: ``steps + 1`` lines ``left value``, then the answer line."""
+    lines = [f"{steps - i} {start + i}" for i in range(steps + 1)]
+    return "\n".join([*lines, f"answer: {start + steps}"])
+
+
+def parse_problem(prompt: Prompt) -> tuple[int, int]:
+    """``(start, steps)`` of a tally prompt."""
+    match = _PROBLEM.search(prompt.text)
+    if match is None:
+        raise ValueError(f"prompt {prompt.prompt_id!r} is not a tally problem")
+    start, steps = (int(x) for x in match.groups())
+    return start, steps
+
+
+class TallyTask(BaseTask):
+    """``a + n`` worked out one unit step per line."""
+
+    name = "tally"
+
+    def __init__(self, config: TallyConfig | None = None) -> None:
+        self.config = config or TallyConfig()
+        c = self.config
+        self._counts = list(range(c.min_steps, c.max_steps + 1))
+        weights = [(n - c.min_steps + 1) ** -c.zipf_alpha for n in self._counts]
+        self._cum = list(itertools.accumulate(weights))
+
+    def _draw(self, split: Split, index: int, steps: int | None) -> tuple[int, int]:
+        c = self.config
+        for attempt in range(10_000 if steps is None else 1_000):
+            rng = rng_for(self.name, c.seed, split, index, attempt, steps)
+            if steps is not None:
+                n = steps
+            elif c.long_every and index % c.long_every == 0:
+                n = rng.randint(c.long_min_steps, c.long_max_steps)
+            else:
+                n = rng.choices(self._counts, cum_weights=self._cum)[0]
+            start = rng.randint(0, c.max_start)
+            if split_of(f"{start}+{n}", c.eval_percent, c.dev_percent) == split:
+                return start, n
+        raise LookupError(f"no {split} problem found")
+
+    def prompt(self, split: Split, index: int) -> Prompt:
+        """Problem ``index`` of ``split`` (deterministic by seed, split and index)."""
+        return self._prompt(split, index, None)
+
+    def prompt_with_terms(self, split: Split, num_terms: int, index: int) -> Prompt:
+        """Problem ``index`` of ``split`` among those of exactly ``num_terms`` steps."""
+        if not 1 <= num_terms <= 999:
+            raise ValueError(f"num_terms must be in [1, 999], got {num_terms}")
+        return self._prompt(split, index, num_terms)
+
+    def identity(self, prompt: Prompt) -> str:
+        start, steps = parse_problem(prompt)
+        return f"{start}+{steps}"
+
+    def _prompt(self, split: Split, index: int, steps: int | None) -> Prompt:
+        check_split(split)
+        if index < 0:
+            raise ValueError(f"index must be >= 0, got {index}")
+        start, n = self._draw(split, index, steps)
+        suffix = "" if steps is None else f"-n{steps}"
+        return Prompt(
+            prompt_id=self.prompt_id(self.config.seed, split, index) + suffix,
+            text=f"Q: {start}+{n}\nA:\n",
+            answer=str(start + n),
+            task=self.name,
+            split=split,
+            metadata={"num_terms": n},
+        )
+
+    def guess(self, prompt: Prompt, rng: random.Random) -> str:
+        """A made-up answer near the start (rarely right): a teacher that does not work."""
+        start, _ = parse_problem(prompt)
+        return f"answer: {start + rng.randint(1, 200)}"
+
+    def solve(self, prompt: Prompt) -> str:
+        """The reference scratchpad completion (without the end-of-sequence token)."""
+        return scratchpad(*parse_problem(prompt))
