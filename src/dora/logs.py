@@ -10,6 +10,7 @@ stderr, rendered for people or as JSON.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -36,19 +37,26 @@ class Tee:
         self,
         file: TextIO | None,
         file_level: int,
-        console: TextIO,
+        console: TextIO | None,
         console_level: int,
         console_json: bool,
     ) -> None:
         self.file, self.file_level = file, file_level
-        self.console, self.console_level = console, console_level
+        self._console, self.console_level = console, console_level
         self.console_json = console_json
-        self.pretty = structlog.dev.ConsoleRenderer(colors=console.isatty())
+        self.pretty = structlog.dev.ConsoleRenderer(colors=self.console.isatty())
         self.lock = threading.Lock()  # engines and the warm start log from threads
+
+    @property
+    def console(self) -> TextIO:
+        """The given stream, or whatever ``sys.stderr`` is *now* (a test harness or a
+        daemon may replace it after configuration)."""
+        return self._console if self._console is not None else sys.stderr
 
     def __call__(self, logger: Any, method: str, event: dict[str, Any]) -> Any:
         level = LEVELS.get(event.get("level", "info"), logging.INFO)
-        with self.lock:
+        # a log line must never break the service that writes it (a closed or full stream)
+        with self.lock, contextlib.suppress(OSError, ValueError):
             if self.file is not None and level >= self.file_level:
                 self.file.write(json.dumps(event, default=str) + "\n")
                 self.file.flush()
@@ -85,7 +93,7 @@ def configure(
     tee = Tee(
         _open_file,
         LEVELS[file_level],
-        console or sys.stderr,
+        console,
         LEVELS[console_level],
         console_json,
     )
