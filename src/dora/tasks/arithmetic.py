@@ -30,7 +30,6 @@ prompt (~250K tokens), not the arithmetic.
 
 from __future__ import annotations
 
-import itertools
 import random
 import re
 from typing import Literal
@@ -39,6 +38,7 @@ from pydantic import Field, model_validator
 
 from dora.events import Prompt
 from dora.tasks.base import BaseTask, Split, TaskConfig, check_split, rng_for, split_of
+from dora.tasks.sizes import LongTail
 
 _PROBLEM = re.compile(r"Q: (\d+(?:\+\d+)+)\n")
 
@@ -129,23 +129,17 @@ class ArithmeticTask(BaseTask):
     def __init__(self, config: ArithmeticConfig | None = None) -> None:
         self.config = config or ArithmeticConfig()
         c = self.config
-        # Truncated zipf over the term count: P(n) ~ (n - min_terms + 1) ** -alpha.
+        # P(n) ~ (n - min_terms + 1) ** -alpha below the long stratum, if there is one
         top = c.long_min_terms - 1 if c.long_every else c.max_terms
-        self._counts = list(range(c.min_terms, top + 1))
-        weights = [(n - c.min_terms + 1) ** -c.zipf_alpha for n in self._counts]
-        self._cum = list(itertools.accumulate(weights))
-        self._long = list(range(c.long_min_terms, c.max_terms + 1))
+        self._sizes = LongTail(
+            c.min_terms, top, c.zipf_alpha, c.long_every, c.long_min_terms, c.max_terms
+        )
 
     def _draw(self, split: Split, index: int, num_terms: int | None = None) -> list[int]:
         c = self.config
         for attempt in range(10_000 if num_terms is None else 1_000):
             rng = rng_for(self.name, c.seed, split, index, attempt, num_terms)
-            if num_terms is not None:
-                n = num_terms
-            elif c.long_every and index % c.long_every == 0:
-                n = rng.choice(self._long)
-            else:
-                n = rng.choices(self._counts, cum_weights=self._cum)[0]
+            n = num_terms if num_terms is not None else self._sizes.draw(rng, index)
             terms = [rng.randint(c.min_value, c.max_value) for _ in range(n)]
             if split_of(identity(terms), c.eval_percent, c.dev_percent) == split:
                 return terms

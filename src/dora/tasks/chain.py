@@ -26,7 +26,6 @@ tiny model cannot do in one token; the scratchpad is the way to be right.
 
 from __future__ import annotations
 
-import itertools
 import random
 import re
 
@@ -34,6 +33,7 @@ from pydantic import Field, model_validator
 
 from dora.events import Prompt
 from dora.tasks.base import BaseTask, Split, TaskConfig, check_split, rng_for, split_of
+from dora.tasks.sizes import LongTail
 
 _PROBLEM = re.compile(r"Q: (\d+)\+(\d+)>(\d+)\n")
 
@@ -126,21 +126,20 @@ class ChainTask(BaseTask):
     def __init__(self, config: ChainConfig | None = None) -> None:
         self.config = config or ChainConfig()
         c = self.config
-        self._counts = list(range(c.min_lines, c.max_lines + 1))
-        weights = [(n - c.min_lines + 1) ** -c.zipf_alpha for n in self._counts]
-        self._cum = list(itertools.accumulate(weights))
-
-    def _lines(self, rng: random.Random, index: int) -> int:
-        c = self.config
-        if c.long_every and index % c.long_every == 0:
-            return rng.randint(c.long_min_lines, c.long_max_lines)
-        return rng.choices(self._counts, cum_weights=self._cum)[0]
+        self._sizes = LongTail(
+            c.min_lines,
+            c.max_lines,
+            c.zipf_alpha,
+            c.long_every,
+            c.long_min_lines,
+            c.long_max_lines,
+        )
 
     def _draw(self, split: Split, index: int, lines: int | None) -> tuple[int, int, int]:
         c = self.config
         for attempt in range(10_000 if lines is None else 1_000):
             rng = rng_for(self.name, c.seed, split, index, attempt, lines)
-            n = lines if lines is not None else self._lines(rng, index)
+            n = lines if lines is not None else self._sizes.draw(rng, index)
             start = rng.randint(0, c.max_start)
             step = rng.randint(1, max(1, min(c.max_step, (c.max_value - start) // n)))
             # every bound in [start + (n-1)*step, start + n*step - 1] stops after n lines

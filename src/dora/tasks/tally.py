@@ -29,7 +29,6 @@ problems longer than any it was trained on (n >= 80) it copies only the last dig
 
 from __future__ import annotations
 
-import itertools
 import random
 import re
 
@@ -37,6 +36,7 @@ from pydantic import Field, model_validator
 
 from dora.events import Prompt
 from dora.tasks.base import BaseTask, Split, TaskConfig, check_split, rng_for, split_of
+from dora.tasks.sizes import LongTail
 
 _PROBLEM = re.compile(r"Q: (\d+)\+(\d+)\n")
 
@@ -93,20 +93,20 @@ class TallyTask(BaseTask):
     def __init__(self, config: TallyConfig | None = None) -> None:
         self.config = config or TallyConfig()
         c = self.config
-        self._counts = list(range(c.min_steps, c.max_steps + 1))
-        weights = [(n - c.min_steps + 1) ** -c.zipf_alpha for n in self._counts]
-        self._cum = list(itertools.accumulate(weights))
+        self._sizes = LongTail(
+            c.min_steps,
+            c.max_steps,
+            c.zipf_alpha,
+            c.long_every,
+            c.long_min_steps,
+            c.long_max_steps,
+        )
 
     def _draw(self, split: Split, index: int, steps: int | None) -> tuple[int, int]:
         c = self.config
         for attempt in range(10_000 if steps is None else 1_000):
             rng = rng_for(self.name, c.seed, split, index, attempt, steps)
-            if steps is not None:
-                n = steps
-            elif c.long_every and index % c.long_every == 0:
-                n = rng.randint(c.long_min_steps, c.long_max_steps)
-            else:
-                n = rng.choices(self._counts, cum_weights=self._cum)[0]
+            n = steps if steps is not None else self._sizes.draw(rng, index)
             start = rng.randint(0, c.max_start)
             if split_of(f"{start}+{n}", c.eval_percent, c.dev_percent) == split:
                 return start, n
