@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dora.pipeline import PipelineConfigError, read_pipeline_file
+from dora.pipeline import PipelineConfigError, load_pipeline, read_pipeline_file
 from dora.pipeline.overrides import OverrideError, apply_overrides, parse_override
 
 QUICKSTART = Path(__file__).parents[2] / "pipelines" / "quickstart.yaml"
@@ -71,3 +71,13 @@ def test_eval_headline_states_the_gain_with_its_standard_error() -> None:
     line = eval_headline(results)
     assert line is not None and "0.8% -> 4.1%" in line and "+3.3 ± 0.7 points" in line
     assert eval_headline({"steps": 3}) is None
+
+
+def test_smoke_run_is_a_few_steps_without_the_held_out_eval() -> None:
+    from dora.cli.run_cmd import SMOKE_OVERRIDES, SMOKE_STEPS
+
+    pipe = load_pipeline(QUICKSTART, overrides=SMOKE_OVERRIDES, max_steps=SMOKE_STEPS)
+    (learner,) = [s for s in pipe.stages if s.name == "learner"]
+    assert learner.config.learner["max_steps"] == SMOKE_STEPS
+    assert learner.config.learner["optim"]["total_steps"] == SMOKE_STEPS
+    assert sum(learner.config.eval.set.counts()) == 0

@@ -40,6 +40,10 @@ def _progress_rows(pipeline: Pipeline) -> list[tuple[str, int, int | None, str]]
     return rows
 
 
+SMOKE_STEPS = 3
+SMOKE_OVERRIDES = ("learner.eval.set.per_stratum=0",)
+"""``--smoke``: a few steps and no held-out eval (the learner stage found by its type)."""
+
 PLAIN_PROGRESS_S = 10.0
 """Off a terminal, a one-line progress report this often (the live view needs a TTY)."""
 
@@ -240,6 +244,14 @@ def cli(
             "--max-steps", min=1, help="Learner steps (and the LR schedule's length) for this run."
         ),
     ] = None,
+    smoke: Annotated[
+        bool,
+        typer.Option(
+            "--smoke",
+            help=f"A short run that checks the pipeline end to end: {SMOKE_STEPS} learner steps "
+            "(unless --max-steps), no held-out eval.",
+        ),
+    ] = False,
     log_level: Annotated[
         str,
         typer.Option(
@@ -263,9 +275,14 @@ def cli(
     from dora.pipeline import PipelineConfigError, PipelineError, load_pipeline
 
     console = Console()
+    if smoke and resume is None:
+        max_steps = max_steps or SMOKE_STEPS
+        overrides = [*(overrides or ()), *SMOKE_OVERRIDES]
     if resume is not None:
         if overrides or max_steps is not None:
-            raise typer.BadParameter("--resume continues a run with its own --set/--max-steps")
+            raise typer.BadParameter(
+                "--resume continues a run with its own --set/--max-steps/--smoke"
+            )
         info = _resume_target(resume)
         pipeline, run_id = Path(info["pipeline"]), str(info["run_id"])
         run_dir, nats = resume, nats or info.get("nats")
