@@ -32,7 +32,8 @@ def _progress_rows(pipeline: Pipeline) -> list[tuple[str, int, int | None, str]]
     rows = []
     for runner in pipeline.runners:
         stats, stage = runner.stats, runner.stage
-        done = stats.processed
+        own = stage.progress_done()
+        done = stats.processed if own is None else own
         extra = f"in {stats.received} out {stats.published}"
         if stats.retried or stats.dead_lettered:
             extra += f" retried {stats.retried} dead {stats.dead_lettered}"
@@ -158,9 +159,10 @@ def _print_summary(console: Console, summary: dict[str, Any], path: Path) -> Non
         table.add_column(column)
     for name, info in summary["stages"].items():
         stats = info["stats"]
+        done = info.get("done")
         table.add_row(
             name,
-            str(stats["processed"]),
+            str(stats["processed"] if done is None else done),
             str(stats["published"]),
             str(stats["retried"]),
             str(stats["dead_lettered"]),
@@ -170,7 +172,7 @@ def _print_summary(console: Console, summary: dict[str, Any], path: Path) -> Non
         results = [
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
             for k, v in info.items()
-            if k not in ("stats", "replicas")
+            if k not in ("stats", "replicas", "done")
         ]
         if results:
             console.print(f"{name}: " + "  ".join(results), highlight=False, soft_wrap=True)

@@ -231,6 +231,7 @@ class Pipeline:
                 r.stage.name: {
                     "replicas": r.replicas,
                     "stats": r.stats.as_dict(),
+                    **_own_progress(r.stage),
                     **r.stage.summary(),
                 }
                 for r in self.runners
@@ -253,3 +254,9 @@ def folder_bytes(path: Path) -> int:
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(root, name)).st_size
     return total
+
+
+def _own_progress(stage: Stage) -> dict[str, int]:
+    """``{"done": n}`` for a service stage that counts its own work (see ``progress_done``)."""
+    done = stage.progress_done()
+    return {} if done is None else {"done": done}

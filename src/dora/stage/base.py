@@ -211,6 +211,11 @@ class Stage:
         """How many events this stage expects to handle or produce, when it knows (progress)."""
         return None
 
+    def progress_done(self) -> int | None:
+        """Work done so far, for a service stage whose work is not the events its runner
+        handles (a rollout fleet's finished trajectories); None: the runner's count."""
+        return None
+
     def summary(self) -> dict[str, Any]:
         """Stage-specific results for the run summary (JSON-serializable)."""
         return {}

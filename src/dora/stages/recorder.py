@@ -40,6 +40,10 @@ class RecorderStage(Stage):
         self.report = await asyncio.to_thread(render_report, load_run(self.run_dir))
         ctx.log.info("report_written", path=str(self.report))
 
+    def progress_done(self) -> int | None:
+        recorder = getattr(self, "recorder", None)
+        return None if recorder is None else sum(recorder.stats.written.values())
+
     def summary(self) -> dict[str, Any]:
         report = getattr(self, "report", None)
         return {"report": str(report)} if report else {}

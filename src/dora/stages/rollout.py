@@ -126,6 +126,10 @@ class RolloutStage(Stage):
     async def teardown(self, ctx: Context) -> None:
         await self.fleet.stop()
 
+    def progress_done(self) -> int | None:
+        fleet = getattr(self, "fleet", None)
+        return None if fleet is None else sum(g.stats.finished for g in fleet.generators)
+
     def summary(self) -> dict[str, Any]:
         fleet = getattr(self, "fleet", None)
         if fleet is None:
