@@ -27,10 +27,6 @@ def clear() -> None:
     _requested.clear()
 
 
-def requested() -> bool:
-    return _requested.is_set()
-
-
 def check() -> None:
     """Raise ``Interrupted`` if a stop was requested."""
     if _requested.is_set():

@@ -203,8 +203,6 @@ RUN_FILE = "run.json"
 
 def _resume_target(run_dir: Path) -> dict[str, Any]:
     """Pipeline file, run id, NATS URL and overrides of an earlier run, from its ``run.json``."""
-    import json
-
     path = run_dir / RUN_FILE
     if not path.is_file():
         raise typer.BadParameter(f"{run_dir} has no {RUN_FILE}; is it a dora run directory?")
@@ -270,8 +268,6 @@ def cli(
     ] = False,
 ) -> None:
     """Run a pipeline until its finite stages finish (or Ctrl-C), with live progress."""
-    import json
-
     from rich.console import Console
 
     from dora.pipeline import PipelineConfigError, PipelineError, load_pipeline

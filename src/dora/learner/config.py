@@ -88,13 +88,14 @@ class LearnerConfig:
         for name, sub in (("grpo", GRPOConfig), ("optim", OptimConfig)):
             value = data.get(name)
             if isinstance(value, dict):
-                data[name] = _build(sub, value, f"learner.{name}")
+                data[name] = build_dataclass(sub, value, f"learner.{name}")
         if isinstance(data.get("weight_dir"), str):
             data["weight_dir"] = Path(data["weight_dir"])
-        return _build(cls, data, "learner")
+        return build_dataclass(cls, data, "learner")
 
 
-def _build(cls: Any, data: dict[str, Any], where: str) -> Any:
+def build_dataclass(cls: Any, data: dict[str, Any], where: str) -> Any:
+    """``cls(**data)`` for a config dataclass, refusing unknown fields by name (``where``)."""
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
@@ -107,11 +108,9 @@ def _build(cls: Any, data: dict[str, Any], where: str) -> Any:
 def unknown_fields_message(unknown: list[str], known: set[str]) -> str:
     """``unknown field 'max_step' (did you mean 'max_steps'?)``, or the known names when
     nothing is close: short enough to read in one or two lines."""
-    parts = []
-    for name in unknown:
-        close = difflib.get_close_matches(name, known, n=1)
-        parts.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    close = {name: difflib.get_close_matches(name, known, n=1) for name in unknown}
+    parts = [f"{n!r} (did you mean {c[0]!r}?)" if c else repr(n) for n, c in close.items()]
     message = f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(parts)}"
-    if not all(difflib.get_close_matches(n, known, n=1) for n in unknown):
+    if not all(close.values()):
         message += f"; known: {', '.join(sorted(known))}"
     return message

@@ -94,9 +94,14 @@ class DispatchService:
         )
         tasks = [
             asyncio.create_task(self._watch_status(status)),
-            asyncio.create_task(self._watch(consumers["scored"], self._on_scored)),
-            asyncio.create_task(self._watch(consumers["metrics"], self._on_metrics)),
-            asyncio.create_task(self._watch(consumers["weights"], self._on_weights)),
+            *(
+                asyncio.create_task(self._watch(consumers[name], handle, model))
+                for name, handle, model in (
+                    ("scored", self._on_scored, ScoredTrajectory),
+                    ("metrics", self._on_metrics, Metrics),
+                    ("weights", self._on_weights, WeightVersion),
+                )
+            ),
         ]
         await self._write_ledger()
         try:
@@ -174,7 +179,9 @@ class DispatchService:
                     self.assigned[status.engine_id] = status.assigned_version
                     self._changed.set()
 
-    async def _watch(self, consumer: object, handle: object) -> None:
+    async def _watch(self, consumer: object, handle: object, model: type) -> None:
+        """Apply each observation with ``handle``; what fails (a ``model`` that does not
+        validate, a reference the dispatcher does not know) is dead-lettered with the reason."""
         while True:
             msgs = await consumer.fetch(batch=256, timeout=1.0)  # type: ignore[attr-defined]
             if not msgs:
@@ -185,7 +192,7 @@ class DispatchService:
                     try:
                         handle(msg.data)  # type: ignore[operator]
                     except ValidationError as exc:
-                        rejected.append((msg, validation_reason(_model_of(handle), exc)))
+                        rejected.append((msg, validation_reason(model, exc)))
                     except (ValueError, KeyError) as exc:
                         rejected.append((msg, f"{type(exc).__name__}: {exc}"))
             await self._write_ledger()
@@ -214,10 +221,3 @@ class DispatchService:
 
 
 __all__ = ["LEDGER_KEY", "DispatchService", "Tokenize", "request_event_id"]
-
-
-def _model_of(handle: object) -> type:
-    """The event type an observation handler parses (for the dead letter's reason)."""
-    name = getattr(handle, "__name__", "")
-    models = {"_on_scored": ScoredTrajectory, "_on_metrics": Metrics, "_on_weights": WeightVersion}
-    return models.get(name, Metrics)

@@ -45,20 +45,13 @@ class RolloutConfig(BaseModel):
     @classmethod
     def _known_fields(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         """Checked at load, so a misspelt field fails before a server or a warm start runs."""
-        import dataclasses
-
         from dora.engines.torch import EngineConfig
+        from dora.learner.config import build_dataclass
         from dora.rollout.orchestrator import OrchestratorConfig
 
         target = EngineConfig if info.field_name == "engine" else OrchestratorConfig
-        known = {f.name for f in dataclasses.fields(target)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            from dora.learner.config import unknown_fields_message
-
-            raise ValueError(unknown_fields_message(unknown, known))
         try:
-            target(**value)
+            build_dataclass(target, value, str(info.field_name))
         except TypeError as exc:
             raise ValueError(str(exc)) from exc
         return value
