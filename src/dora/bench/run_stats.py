@@ -7,7 +7,10 @@
 - trained tokens/s: tokens the learner trained on (``tokens/processed``) over the wall time;
 - step time: the mean gap between learner steps; learner wait: the share of the run the
   learner spent waiting for data (the gaps minus its own step compute, ``time/step_s``);
-- engine utilization: the share of status samples in which an engine ran something;
+- engine utilization: the share of engine time (from the first dispatch to the last step) in
+  which an engine held at least one running request, from the trajectories' start and finish
+  times (a migrated trajectory's span is split evenly over the engines that decoded it; the
+  0.5 s status samples missed whole steps of a short run);
 - migrations, re-prefilled tokens: from the migration records and the trajectories.
 """
 
@@ -34,8 +37,8 @@ def run_stats(run_dir: Path) -> dict[str, Any]:
     gaps = np.diff(times)
     compute = np.array([m.values.get("time/step_s", 0.0) for m in steps])
     wait = np.clip(gaps - compute, 0.0, None)
-    busy = [s.running > 0 for s in run.status if s.state != "stopped"]
     summary = summarize(run)
+    engines = {s.engine_id for s in run.status}
     return {
         "wall_s": round(wall, 2),
         "steps": len(steps),
@@ -43,8 +46,39 @@ def run_stats(run_dir: Path) -> dict[str, Any]:
         "trained_tok_s": round(sum(m.values.get("tokens/processed", 0.0) for m in steps) / wall, 1),
         "step_s": round(float(gaps.mean()), 3),
         "learner_wait_frac": round(float(wait.sum() / wall), 3),
-        "utilization": round(float(np.mean(busy)), 3) if busy else float("nan"),
+        "utilization": round(busy_fraction(run.trajectories, start, start + wall, engines), 3),
         "migrations": summary.migrations_ok,
         "reprefilled_tokens": summary.reprefilled_tokens,
         "trajectories": summary.trajectories,
     }
+
+
+def busy_fraction(
+    trajectories: list[Any], start: float, end: float, engines: set[str] | None = None
+) -> float:
+    """Share of engine time in [start, end] in which an engine ran at least one request
+    (``engines``: every engine of the run, idle ones included; default: those that decoded)."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for t in trajectories:
+        if not t.engines or t.finished_at <= t.started_at or not t.started_at:
+            continue
+        width = (t.finished_at - t.started_at) / len(t.engines)
+        for i, engine in enumerate(t.engines):
+            lo = max(start, t.started_at + i * width)
+            hi = min(end, t.started_at + (i + 1) * width)
+            if hi > lo:
+                spans.setdefault(engine, []).append((lo, hi))
+    if not spans or end <= start:
+        return 0.0
+    busy = 0.0
+    for intervals in spans.values():
+        intervals.sort()
+        cur_lo, cur_hi = intervals[0]
+        for lo, hi in intervals[1:]:
+            if lo > cur_hi:
+                busy += cur_hi - cur_lo
+                cur_lo, cur_hi = lo, hi
+            else:
+                cur_hi = max(cur_hi, hi)
+        busy += cur_hi - cur_lo
+    return busy / (len(set(spans) | set(engines or ())) * (end - start))
