@@ -108,6 +108,12 @@ def test_padding_and_packing_match_separate_sequences() -> None:
         out = model(padded, attention_mask=mask)
         assert torch.allclose(out[0], la, atol=1e-5)
         assert torch.allclose(out[1, : len(b)], lb, atol=1e-5)
+        # left padding (the causal kernel alone would let b see the padding before it)
+        pad = len(a) - len(b)
+        left = torch.tensor([a, [tok.pad_token_id] * pad + b])
+        out = model(left, attention_mask=torch.stack([mask[0], mask[1].flip(0)]))
+        assert torch.allclose(out[0], la, atol=1e-5)
+        assert torch.allclose(out[1, pad:], lb, atol=1e-5)
         # packing two sequences in one row
         packed = torch.tensor([a + b])
         seg = torch.tensor([[0] * len(a) + [1] * len(b)])

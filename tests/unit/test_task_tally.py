@@ -38,3 +38,13 @@ def test_config_errors_and_foreign_prompts() -> None:
         make_task("tally", min_steps=9, max_steps=3)
     with pytest.raises(ValueError, match="not a tally problem"):
         make_task("tally").solve(make_task("chain").prompt("train", 0))
+
+
+def test_given_first_line_moves_the_starting_state_into_the_prompt() -> None:
+    plain = make_task("tally", seed=0)
+    given = make_task("tally", seed=0, given_first_line=True)
+    for a, b in zip(plain.prompts("train", 50), given.prompts("train", 50), strict=True):
+        first, rest = plain.solve(a).split("\n", 1)
+        assert b.text == a.text + first + "\n"
+        assert given.solve(b) == rest
+        assert parse_problem(b) == parse_problem(a) and b.answer == a.answer

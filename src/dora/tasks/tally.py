@@ -55,7 +55,12 @@ class TallyConfig(TaskConfig):
     )
     long_min_steps: int = Field(default=150, ge=1, le=999)
     long_max_steps: int = Field(default=190, ge=1, le=999)
-    max_start: int = Field(default=699, ge=0, le=10**6)
+    max_start: int = Field(default=699, ge=0, le=10**9)
+    given_first_line: bool = Field(
+        default=False,
+        description="The prompt ends with the scratchpad's first line (the starting state), so "
+        "every completion line follows from the line before: no copy from the question.",
+    )
     eval_percent: int = Field(default=10, ge=1, le=50)
     dev_percent: int = Field(default=5, ge=0, le=40)
 
@@ -131,10 +136,11 @@ class TallyTask(BaseTask):
         if index < 0:
             raise ValueError(f"index must be >= 0, got {index}")
         start, n = self._draw(split, index, steps)
+        given = f"{n} {start}\n" if self.config.given_first_line else ""
         suffix = "" if steps is None else f"-n{steps}"
         return Prompt(
             prompt_id=self.prompt_id(self.config.seed, split, index) + suffix,
-            text=f"Q: {start}+{n}\nA:\n",
+            text=f"Q: {start}+{n}\nA:\n{given}",
             answer=str(start + n),
             task=self.name,
             split=split,
@@ -148,4 +154,5 @@ class TallyTask(BaseTask):
 
     def solve(self, prompt: Prompt) -> str:
         """The reference scratchpad completion (without the end-of-sequence token)."""
-        return scratchpad(*parse_problem(prompt))
+        full = scratchpad(*parse_problem(prompt))
+        return full.split("\n", 1)[1] if self.config.given_first_line else full
