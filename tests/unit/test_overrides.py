@@ -81,3 +81,19 @@ def test_smoke_run_is_a_few_steps_without_the_held_out_eval() -> None:
     assert learner.config.learner["max_steps"] == SMOKE_STEPS
     assert learner.config.learner["optim"]["total_steps"] == SMOKE_STEPS
     assert sum(learner.config.eval.set.counts()) == 0
+
+
+def test_shared_settings_are_stated_once_and_overridden_in_one_place() -> None:
+    plain = read_pipeline_file(QUICKSTART)
+    assert stage_config(plain, "learner")["model"] == stage_config(plain, "rollout")["model"]
+    spec = read_pipeline_file(QUICKSTART, ["prompt_source.task_config.max_steps=30"])
+    assert stage_config(spec, "prompt_source")["task_config"]["max_steps"] == 30
+    # the same anchor feeds the eval's task config: an override of one use is not a second
+    assert stage_config(spec, "learner")["eval"]["task_config"]["max_steps"] == 60
+
+
+def test_x_keys_hold_anchors_and_are_ignored(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text("x-common: &c {count: 3}\nstages:\n  - type: prompt_source\n    config: *c\n")
+    spec = read_pipeline_file(path)
+    assert stage_config(spec, "prompt_source") == {"count": 3}

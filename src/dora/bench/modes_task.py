@@ -26,10 +26,33 @@ if TYPE_CHECKING:
 QUICKSTART = Path("pipelines/quickstart.yaml")
 
 
+def pipeline_for(task: str) -> Path:
+    """The quickstart when it trains ``task``, else ``pipelines/<task>.yaml``."""
+    if _source_task(QUICKSTART) == task:
+        return QUICKSTART
+    path = QUICKSTART.with_name(f"{task}.yaml")
+    if not path.is_file() or _source_task(path) != task:
+        raise FileNotFoundError(f"no pipeline trains {task!r}: neither {QUICKSTART} nor {path}")
+    return path
+
+
+def _source_task(path: Path) -> str | None:
+    spec = yaml.safe_load(path.read_text())
+    source = next((e for e in spec["stages"] if e["type"] == "prompt_source"), None)
+    return None if source is None else source.get("config", {}).get("task")
+
+
+def _read(task: str) -> dict[str, Any]:
+    from dora.pipeline.spec import unshared
+
+    spec = yaml.safe_load(pipeline_for(task).read_text())
+    return {k: unshared(v) for k, v in spec.items() if not str(k).startswith("x-")}
+
+
 def _spec(
     mode: str, seed: int, steps: int, task: str, every: int, staleness: int | None = None
 ) -> dict[str, Any]:
-    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec = _read(task)
     for entry in spec["stages"]:
         config = entry.setdefault("config", {})
         if entry["type"] == "rollout":
@@ -47,15 +70,13 @@ def _spec(
             if staleness is not None:
                 learner["staleness_bound"] = staleness
             # checkpoints are evaluated afterwards, all on the same frozen set (_eval_set_spec)
-            config["eval"] = {**config.get("eval", {}), "task": task, "set": {"per_stratum": 0}}
-        elif entry["type"] == "prompt_source":
-            config["task"] = task
+            config["eval"] = {**config.get("eval", {}), "set": {"per_stratum": 0}}
     return spec
 
 
-def _eval_set_spec() -> dict[str, Any]:
-    """The quickstart learner's frozen eval set (``eval.set``), for every checkpoint."""
-    spec = yaml.safe_load(QUICKSTART.read_text())
+def _eval_set_spec(task: str) -> dict[str, Any]:
+    """The pipeline learner's frozen eval set (``eval.set``), for every checkpoint."""
+    spec = _read(task)
     learner = next(e["config"] for e in spec["stages"] if e["type"] == "learner")
     return dict(learner.get("eval", {}).get("set", {}))
 
@@ -134,7 +155,7 @@ def run_task_comparison(
     )
     # one task and one frozen set (the quickstart learner's ``eval.set``) for every checkpoint
     task_obj = make_task(task, **task_config)
-    eval_set = build_eval_set(task_obj, EvalSetSpec(**_eval_set_spec()))
+    eval_set = build_eval_set(task_obj, EvalSetSpec(**_eval_set_spec(task)))
     start_acc, start_se = _evaluate(start_dir, task_obj, eval_set)
     for run in runs:
         for step, model_dir in run["checkpoints"]:

@@ -16,6 +16,8 @@ Schema::
         retry: {max_deliver: 5, backoff_s: 0.5, backoff_factor: 2, max_backoff_s: 30,
                 ack_wait_s: 30}      # optional override, every key optional
         config: {task: arithmetic, count: 32}   # validated by the stage's Config model
+    x-shared: &shared {...}          # optional: any top-level key starting with "x-" is
+                                     # ignored, a home for YAML anchors stated once
 
 Every error names the file and the field, e.g. ``quickstart.yaml: stages[1].config.count:
 Input should be a valid integer``; an unknown type lists the registered ones.
@@ -92,6 +94,16 @@ def _errors(path: Path, prefix: str, exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def unshared(value: Any) -> Any:
+    """A copy in which no two places share an object: a YAML alias (``*task``) yields one
+    object wherever it is used, and an override of one place must not change the others."""
+    if isinstance(value, dict):
+        return {k: unshared(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [unshared(v) for v in value]
+    return value
+
+
 def read_pipeline_file(
     path: Path, overrides: Sequence[str] = (), max_steps: int | None = None
 ) -> PipelineFile:
@@ -106,6 +118,7 @@ def read_pipeline_file(
         raise PipelineConfigError(f"{path}: invalid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise PipelineConfigError(f"{path}: expected a mapping with a `stages` list")
+    raw = {k: unshared(v) for k, v in raw.items() if not str(k).startswith("x-")}
     try:
         extra = max_steps_overrides(raw, max_steps) if max_steps is not None else []
         raw = apply_overrides(raw, [*overrides, *extra])

@@ -192,6 +192,8 @@ class Summary:
     migrations_failed: int
     migrated_kv_bytes: int
     reprefilled_tokens: int
+    completion_tokens: tuple[float, float, float] | None
+    """Median, 99th percentile and longest completion (tokens): the run's long tail."""
     staleness_mean: float | None
     staleness_max: float | None
     staleness_source: str
@@ -212,6 +214,14 @@ def _reward_ends(run: RunData) -> tuple[float | None, float | None]:
         return None, None
     k = max(1, len(rewards) // 10)
     return float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))
+
+
+def _length_tail(run: RunData) -> tuple[float, float, float] | None:
+    lengths = np.array([t.completion_tokens for t in run.trajectories])
+    if not len(lengths):
+        return None
+    p50, p99 = np.percentile(lengths, [50, 99])
+    return float(p50), float(p99), float(lengths.max())
 
 
 def summarize(run: RunData) -> Summary:
@@ -240,6 +250,7 @@ def summarize(run: RunData) -> Summary:
         migrations_failed=failed,
         migrated_kv_bytes=kv,
         reprefilled_tokens=sum(t.reprefilled_tokens for t in run.trajectories),
+        completion_tokens=_length_tail(run),
         staleness_mean=stale.mean,
         staleness_max=stale.max,
         staleness_source=stale.source,

@@ -42,6 +42,12 @@ def summary_table(s: Summary, title: str = "run") -> Table:
         ("migrations ok / failed", f"{s.migrations_ok} / {s.migrations_failed}"),
         ("migrated KV (MiB)", f"{s.migrated_kv_bytes / 2**20:.2f}"),
         ("re-prefilled tokens", str(s.reprefilled_tokens)),
+        (
+            "completion tokens median / p99 / max",
+            "-"
+            if s.completion_tokens is None
+            else " / ".join(f"{x:.0f}" for x in s.completion_tokens),
+        ),
         (f"staleness mean ({stale_note})", _num(s.staleness_mean, "{:.2f}")),
         (f"staleness max ({stale_note})", _num(s.staleness_max, "{:.0f}")),
         (

@@ -157,4 +157,5 @@ class Generator(ControlHandler, StatusReporter, RequestIntake):
         if held is not None:
             await held.lease.ack()
         self.stats.finished += 1
+        self.stats.reprefilled_tokens += trajectory.reprefilled_tokens
         self._room.set()

@@ -77,5 +77,7 @@ class GeneratorStats:
     imported: int = 0
     restored: int = 0
     resubmitted: int = 0
+    reprefilled_tokens: int = 0
+    """Prompt and generated tokens recomputed for finished trajectories (0 under dora)."""
     dead_lettered: int = 0
     weight_loads: list[tuple[int, float]] = field(default_factory=list)

@@ -131,5 +131,6 @@ class RolloutStage(Stage):
             "dispatched_requests": fleet.dispatch.stats.requests,
             "finished": sum(g.stats.finished for g in fleet.generators),
             "migrations_in": sum(g.stats.imported for g in fleet.generators),
+            "reprefilled_tokens": sum(g.stats.reprefilled_tokens for g in fleet.generators),
             "resubmitted": sum(g.stats.resubmitted for g in fleet.generators),
         }

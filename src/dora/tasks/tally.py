@@ -1,30 +1,41 @@
 """Take ``n`` unit steps from ``a``: a scratchpad of ``n + 1`` lines that a tiny model learns.
 
-The candidate for a long-tailed main job. What a ~3M parameter character model learns fast
-in a short warm start is a rule that looks only at the line before (increment, decrement);
-what it learns slowly is fetching a number from the prompt (the arithmetic task's terms, the
-``chain`` task's step and bound). So here every line but the first is local: the left column
-counts the steps still to take down to 0 (stopping is local too), the right column counts the
-value up. The first line restates the question, the one copy from the prompt.
+The main job's task (``pipelines/quickstart.yaml``). What a ~3M parameter character model
+learns fast in a short warm start is a rule that looks only at the line before (increment,
+decrement); what it learns slowly is fetching a number from the prompt (the arithmetic task's
+terms, the ``chain`` task's step and bound). So here every line but the first is local: the
+left column counts the steps still to take down to 0 (stopping is local too), the right
+column counts the value up. The first line restates the question, the one copy from the
+prompt; with ``given_first_line`` the prompt ends with it (the problem is stated as its
+starting state) and the completion has no copy at all. With ``counter_width: 3`` the left
+column is zero-padded, so a long problem's counter ("187") differs from a short one's ("007")
+only in a hundreds digit that is copied down like the value's.
 
-Example (prompt, then completion)::
+Example (``given_first_line``, ``counter_width: 3``; prompt, then completion)::
 
     Q: 569+3
     A:
-    3 569
-    2 570
-    1 571
-    0 572
+    003 569
+    002 570
+    001 571
+    000 572
     answer: 572
 
 The number of steps follows a truncated zipf law, and every ``long_every``-th problem is drawn
-from a long stratum (150+ steps, 1,000+ tokens). The shortcut (``a + n`` in one go) is a
-three-digit addition the tiny model does not get right in one token.
+from a long stratum (e.g. 200-260 steps, 1,600+ tokens worked out in full): the long tail.
 
-Measured (seed 1, 2 threads, 460 warm-start steps of 2,048 tokens on problems of at most 60 steps,
-greedy): 88% right at n = 1, 62% at n = 3, 25% at n = 8, 0% from n = 20. Almost every error
-is in the first line's copy of ``a``; the counting and the stop are nearly always right. On
-problems longer than any it was trained on (n >= 80) it copies only the last digits of n.
+Measured warm starts (2 threads; greedy and temperature-1 accuracy on 8 held-out problems per
+n; ``/tmp``-style experiments recorded in the README):
+
+- plain format, 460 steps on n <= 60: 88% at n = 1, 25% at n = 8, 0% from n = 20, almost
+  every error in the first line's copy of ``a``;
+- ``given_first_line``, 300 steps on n <= 60: 100% / 100% / 75% at n = 1 / 3 / 8, but a
+  3-digit counter never seen stops it at once (30-token answers to 150-step problems);
+- with a long stratum mixed in from the start, or long problems after a curriculum without
+  zero padding, short problems fall to 0-25%: the new 3-digit counter costs the steps;
+- ``counter_width: 3``, 250 steps on n <= 60 then 200 mixed with truncated long problems:
+  62-88% at n <= 8 and 50% at n = 40 (greedy); long problems are worked at length but not
+  to the end (500-750 tokens for n = 150-190, the tens digit of the counter drifts).
 """
 
 from __future__ import annotations
@@ -56,6 +67,13 @@ class TallyConfig(TaskConfig):
     long_min_steps: int = Field(default=150, ge=1, le=999)
     long_max_steps: int = Field(default=190, ge=1, le=999)
     max_start: int = Field(default=699, ge=0, le=10**9)
+    counter_width: int = Field(
+        default=0,
+        ge=0,
+        le=3,
+        description="Zero-pad the left column to this many digits: a long problem's 3-digit "
+        "counter then differs from a short one's only in its copied hundreds digit.",
+    )
     given_first_line: bool = Field(
         default=False,
         description="The prompt ends with the scratchpad's first line (the starting state), so "
@@ -75,9 +93,9 @@ class TallyConfig(TaskConfig):
         return self
 
 
-def scratchpad(start: int, steps: int) -> str:
+def scratchpad(start: int, steps: int, width: int = 0) -> str:
     """The reference completion: ``steps + 1`` lines ``left value``, then the answer line."""
-    lines = [f"{steps - i} {start + i}" for i in range(steps + 1)]
+    lines = [f"{steps - i:0{width}d} {start + i}" for i in range(steps + 1)]
     return "\n".join([*lines, f"answer: {start + steps}"])
 
 
@@ -136,7 +154,8 @@ class TallyTask(BaseTask):
         if index < 0:
             raise ValueError(f"index must be >= 0, got {index}")
         start, n = self._draw(split, index, steps)
-        given = f"{n} {start}\n" if self.config.given_first_line else ""
+        width = self.config.counter_width
+        given = f"{n:0{width}d} {start}\n" if self.config.given_first_line else ""
         suffix = "" if steps is None else f"-n{steps}"
         return Prompt(
             prompt_id=self.prompt_id(self.config.seed, split, index) + suffix,
@@ -154,5 +173,5 @@ class TallyTask(BaseTask):
 
     def solve(self, prompt: Prompt) -> str:
         """The reference scratchpad completion (without the end-of-sequence token)."""
-        full = scratchpad(*parse_problem(prompt))
+        full = scratchpad(*parse_problem(prompt), self.config.counter_width)
         return full.split("\n", 1)[1] if self.config.given_first_line else full
