@@ -524,3 +524,19 @@ async def test_request_fetched_across_a_version_switch_is_handed_back(
     (again,) = await queue.fetch(batch=1, timeout=2.0)
     assert again.num_delivered == 2 and again.stream_seq == msg.stream_seq
     await again.ack()
+
+
+async def test_export_of_a_finished_request_is_refused_by_name(
+    nats_server: NatsServer, subjects: Subjects, nats_bus: NatsBus
+) -> None:
+    """The orchestrator plans on a snapshot: a request may finish before its export arrives."""
+    audit = await nats_bus.consumer(ConsumerSpec("audit", nats_bus.subjects.trajectories))
+    await nats_bus.publish_event(nats_bus.subjects.requests(0), request(1))
+    async with nodes(nats_server, subjects, ("src", {})) as (_src,):
+        await one_trajectory(nats_bus, audit)
+        command = ExportRequest(engine_id="src", request_id="r1", blob_name="kv-r1-late")
+        raw = await nats_bus.request(
+            nats_bus.subjects.control("src"), command.model_dump_json().encode()
+        )
+    reply = ControlReply.model_validate_json(raw)
+    assert not reply.ok and "finished before the export" in reply.error

@@ -19,7 +19,12 @@ class MigrationSide(GeneratorBase):
     """Export / import handlers of ``Generator`` (see module docstring)."""
 
     async def _export(self, command: ExportRequest) -> ControlReply:
-        held = self._held[command.request_id]
+        held = self._held.get(command.request_id)
+        if held is None:  # the orchestrator planned on a snapshot taken before it finished
+            raise EngineError(
+                f"request {command.request_id!r} is no longer on {self.config.engine_id} "
+                "(finished before the export; nothing to move)"
+            )
         snapshot = await self._call(self.engine.export_request, command.request_id)
         held.exported = True
         held.exported_at = time.monotonic()
