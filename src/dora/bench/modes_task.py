@@ -37,16 +37,17 @@ def pipeline_for(task: str) -> Path:
 
 
 def _source_task(path: Path) -> str | None:
-    spec = yaml.safe_load(path.read_text())
+    from dora.pipeline.spec import load_raw
+
+    spec = load_raw(path)
     source = next((e for e in spec["stages"] if e["type"] == "prompt_source"), None)
     return None if source is None else source.get("config", {}).get("task")
 
 
 def _read(task: str) -> dict[str, Any]:
-    from dora.pipeline.spec import unshared
+    from dora.pipeline.spec import load_raw
 
-    spec = yaml.safe_load(pipeline_for(task).read_text())
-    return {k: unshared(v) for k, v in spec.items() if not str(k).startswith("x-")}
+    return load_raw(pipeline_for(task))
 
 
 def _spec(

@@ -94,21 +94,18 @@ def _errors(path: Path, prefix: str, exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def unshared(value: Any) -> Any:
+def _unshared(value: Any) -> Any:
     """A copy in which no two places share an object: a YAML alias (``*task``) yields one
     object wherever it is used, and an override of one place must not change the others."""
     if isinstance(value, dict):
-        return {k: unshared(v) for k, v in value.items()}
+        return {k: _unshared(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [unshared(v) for v in value]
+        return [_unshared(v) for v in value]
     return value
 
 
-def read_pipeline_file(
-    path: Path, overrides: Sequence[str] = (), max_steps: int | None = None
-) -> PipelineFile:
-    """Parse the file, apply ``--set`` overrides (and ``--max-steps``), and validate the
-    structure (not yet the stages' configs)."""
+def load_raw(path: Path) -> dict[str, Any]:
+    """The file as plain data: ``x-`` keys (anchor homes) dropped, no object shared."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -118,7 +115,16 @@ def read_pipeline_file(
         raise PipelineConfigError(f"{path}: invalid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise PipelineConfigError(f"{path}: expected a mapping with a `stages` list")
-    raw = {k: unshared(v) for k, v in raw.items() if not str(k).startswith("x-")}
+    return {k: _unshared(v) for k, v in raw.items() if not str(k).startswith("x-")}
+
+
+def read_pipeline_file(
+    path: Path, overrides: Sequence[str] = (), max_steps: int | None = None
+) -> PipelineFile:
+    """Parse the file, apply ``--set`` overrides (and ``--max-steps``), and validate the
+    structure (not yet the stages' configs)."""
+    path = Path(path)
+    raw = load_raw(path)
     try:
         extra = max_steps_overrides(raw, max_steps) if max_steps is not None else []
         raw = apply_overrides(raw, [*overrides, *extra])
