@@ -271,7 +271,9 @@ class Trainer:
                 metrics["grad/skipped_nonfinite"] = 1.0
         else:
             metrics["grad/norm"] = 0.0
-            log.warning("no_trainable_samples", step=step, groups=len(groups))
+            # every group all right or all wrong: GRPO has no advantage to follow. Ordinary on a
+            # hard task (counted in groups/skipped_all_equal), so the log file, not the console
+            log.info("no_trainable_samples", step=step, groups=len(groups))
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         with warnings.catch_warnings():  # the schedule follows learner steps, even skipped ones
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
