@@ -275,3 +275,18 @@ def test_revision_moves_with_every_ledger_change() -> None:
     before = d.revision
     d.admit(prompt(1), [None])  # refused: nothing changed
     assert d.revision == before
+
+
+def test_a_consumption_report_may_overtake_the_last_scored_sample() -> None:
+    """``scored`` and ``metrics`` are separate subjects: the learner may report a group consumed
+    before the dispatcher has seen its last sample; that sample is then a no-op, not an error,
+    and the group counts as finished once."""
+    d = make(group_size=2, batch_groups=4)
+    reqs = d.admit(prompt(1), assigned_versions=[0]).requests
+    d.on_finished(reqs[0].request_id, reqs[0].group_id)
+    d.on_consumed([reqs[0].group_id])
+    assert d.on_finished(reqs[1].request_id, reqs[1].group_id) is False
+    (v0,) = d.ledger().versions
+    assert (v0.dispatched, v0.finished, v0.consumed) == (1, 1, 1)
+    with pytest.raises(KeyError, match="request_id"):
+        d.on_finished("p9/0/0", "p9/0")  # never dispatched: still loud

@@ -206,7 +206,8 @@ class DispatchService:
 
     def _on_scored(self, data: bytes) -> None:
         scored = ScoredTrajectory.model_validate_json(data)
-        self.dispatcher.on_finished(scored.trajectory.request.request_id)
+        request = scored.trajectory.request
+        self.dispatcher.on_finished(request.request_id, request.group_id)
 
     def _on_metrics(self, data: bytes) -> None:
         metrics = Metrics.model_validate_json(data)

@@ -23,7 +23,7 @@ Modes (the baselines run on the same code):
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -120,6 +120,10 @@ def _group_id(prompt_id: str, occurrence: int) -> str:
     return gid
 
 
+_CONSUMED_MEMORY = 65_536
+"""Consumed group ids remembered; far more than can be in flight between two subjects."""
+
+
 class Dispatcher:
     """Tags, admits and accounts; the bus-facing stage feeds it observations and publishes."""
 
@@ -130,6 +134,8 @@ class Dispatcher:
         self.ledger_state = StalenessLedger(config.effective_k, config.batch_groups)
         self._groups: dict[str, _Group] = {}
         self._group_of: dict[str, str] = {}
+        self._consumed: OrderedDict[str, None] = OrderedDict()
+        """Recently consumed group ids: the learner's report may overtake the last ``scored``."""
         self._occurrences: Counter[str] = Counter()
         self.revision = 0
         """Bumped on every change of the ledger: write ``ledger()`` when it moved."""
@@ -242,9 +248,15 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ completion
 
-    def on_finished(self, request_id: str) -> bool:
-        """A sample is finished (scored). True when that completes its group."""
+    def on_finished(self, request_id: str, group_id: str | None = None) -> bool:
+        """A sample is finished (scored). True when that completes its group.
+
+        ``scored`` and the learner's consumption report travel on different subjects, so the
+        report may arrive first: a sample of a group consumed already is a no-op.
+        """
         gid = self._group_of.get(request_id)
+        if gid is None and group_id is not None and group_id in self._consumed:
+            return False
         if gid is None:
             raise KeyError(f"request_id {request_id!r} was not dispatched here")
         group = self._groups[gid]
@@ -266,11 +278,17 @@ class Dispatcher:
             if group.consumed:
                 continue
             group.consumed = True
-            self.ledger_state.counts(group.version).consumed += 1
+            counts = self.ledger_state.counts(group.version)
+            if not group.finished:  # the learner had all of it before our ``scored`` did
+                counts.finished += 1
+            counts.consumed += 1
             self.revision += 1
             for rid in group.request_ids:
                 self._group_of.pop(rid, None)
             del self._groups[gid]
+            self._consumed[gid] = None
+            while len(self._consumed) > _CONSUMED_MEMORY:
+                self._consumed.popitem(last=False)
         if learner_step is not None:
             self.observe_learner_step(learner_step)
 
