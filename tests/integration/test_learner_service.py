@@ -129,14 +129,13 @@ async def test_killed_learner_resumes_without_repeats_or_gaps(
     second = LearnerService(nats_bus, tiny(), config(max_steps=6), tmp_path)
     await asyncio.wait_for(second.run(), 120)
     assert second.resumed_from == 2
-    assert [step for step, _ in second.history] == [2, 3, 4, 5]
-
-    lineage = [rid for step, ids in first.history if step < 2 for rid in ids]
+    # version 3 (step 2) was published before the crash: the journal names its groups, so
+    # the resumed learner adopts v3's weights instead of training that number again
+    assert [step for step, _ in second.history] == [3, 4, 5]
+    lineage = [rid for _, ids in first.history for rid in ids]
     lineage += [rid for _, ids in second.history for rid in ids]
     assert Counter(lineage).most_common(1)[0][1] == 1  # nothing trained twice
     assert set(lineage) == all_ids  # nothing skipped
-    # the crashed run's step-2 group was retrained (its update was lost with the crash)
-    assert set(first.history[2][1]) <= set(lineage)
     # nothing is left unacked on the server once the final checkpoint is written
     consumer = await nats_bus.consumer(
         ConsumerSpec(

@@ -290,3 +290,31 @@ def test_a_consumption_report_may_overtake_the_last_scored_sample() -> None:
     assert (v0.dispatched, v0.finished, v0.consumed) == (1, 1, 1)
     with pytest.raises(KeyError, match="request_id"):
         d.on_finished("p9/0/0", "p9/0")  # never dispatched: still loud
+
+
+def test_a_restored_dispatcher_continues_where_the_snapshot_left_off() -> None:
+    """A restart (crash, ``--resume``) restores groups, counts, tombstones and the last prompt:
+    redelivered observations are no-ops, a redelivered prompt is not admitted twice, and new
+    group ids never reuse an old one."""
+    d = make(group_size=2, batch_groups=4, staleness_bound=2)
+    a = d.admit(prompt(1), assigned_versions=[0]).requests
+    b = d.admit(prompt(2), assigned_versions=[0]).requests
+    finish_group(d, a)
+    d.on_finished(b[0].request_id)
+    d.on_consumed([a[0].group_id], learner_step=1)
+    d.observe_weights(1)
+    snap = d.snapshot()
+    assert snap.unpublished == list(b)  # the service had not confirmed b's publication
+
+    e = make(group_size=2, batch_groups=4, staleness_bound=2)
+    e.restore(type(snap).model_validate_json(snap.model_dump_json()))
+    assert (e.ledger().versions, e.ledger().learner_step) == (d.ledger().versions, 1)
+    assert e.groups_admitted == 2 and e.in_flight() == 1
+    assert e.admitted_before(prompt(2).model_copy(update={"event_id": b[0].prompt.event_id}))
+    assert e.on_finished(a[1].request_id, a[1].group_id) is False  # consumed already
+    assert e.on_finished(b[0].request_id) is False  # scored twice: counted once
+    assert e.on_finished(b[1].request_id) is True
+    again = e.admit(prompt(1), assigned_versions=[1]).requests  # the same prompt, later
+    assert again[0].group_id not in {a[0].group_id, b[0].group_id}
+    with pytest.raises(ValueError, match="mode=dora group_size=2"):
+        make(group_size=3).restore(snap)

@@ -47,6 +47,7 @@ class LearnerService(ScoredIntake, TrainingStep):
         nothing is acked or checkpointed on cancellation)."""
         cfg = self.config
         resumed = self.restore()
+        resumed = await self.fast_forward() or resumed
         self._writer = MetricsWriter(
             self.run_dir, tensorboard=cfg.tensorboard, resume_step=self.step if resumed else None
         )

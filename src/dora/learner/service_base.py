@@ -17,6 +17,7 @@ from dora.events import Ledger
 from dora.learner.batching import Batch, BatchSelector, GroupBuffer
 from dora.learner.checkpoint import CheckpointManager
 from dora.learner.config import LearnerConfig
+from dora.learner.journal import StepJournal
 from dora.learner.metrics import MetricsWriter
 from dora.learner.trainer import Trainer
 from dora.learner.weights import (
@@ -61,6 +62,7 @@ class LearnerBase:
         )
         self.selector = BatchSelector(self.buffer, config.batch_groups, config.max_urgent_wait_s)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", config.keep_checkpoints)
+        self.journal = StepJournal(self.run_dir / "checkpoints" / "journal.jsonl")
         if transport is None:
             if config.weight_store == "directory":
                 transport = DirectoryTransport(config.weight_dir or self.run_dir / "weights")

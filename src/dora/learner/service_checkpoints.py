@@ -3,15 +3,24 @@
 A checkpoint holds the model, the optimiser and the buffer's bookkeeping (consumed and
 refused groups, samples still buffered), so the messages it covers can be acked: after a
 crash the learner resumes from it and the bus redelivers only what came after
-(``dora.learner.checkpoint`` says why acks wait for a checkpoint).
+(``dora.learner.checkpoint`` says why acks wait for a checkpoint). Versions published after
+that checkpoint are not trained again: the learner continues from the newest one, with the
+step journal naming the groups they consumed (``dora.learner.journal``).
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import structlog
+
 from dora.learner.checkpoint import LearnerState
+from dora.learner.journal import JournalEntry
 from dora.learner.service_base import LearnerBase
+from dora.learner.weights import WeightError, WeightFetcher
+from dora.models.checkpoint import load_state_dict_into
+
+log = structlog.get_logger("dora.learner.service")
 
 
 class CheckpointGlue(LearnerBase):
@@ -27,6 +36,44 @@ class CheckpointGlue(LearnerBase):
         self.resumed_from = state.step
         self._last_checkpoint_step = state.step
         return True
+
+    async def fast_forward(self) -> bool:
+        """After ``restore`` (or with no checkpoint yet, from step 0): adopt the newest published
+        version if it is past the learner's step; True when it did.
+
+        Raises when the journal lacks one of the steps in between: the run cannot continue
+        without training a published version number again, so it stops with the reason.
+        """
+        fetcher = WeightFetcher(self.bus)
+        try:
+            latest = await fetcher.describe()
+        except WeightError:
+            return False
+        fetcher.transports[latest.blob.store] = self.publisher.transport  # the one we wrote
+        if latest.version <= self.step:
+            return False
+        entries = self.journal.entries(self.step, latest.version)
+        if entries is None:
+            raise RuntimeError(
+                f"resume: weights v{latest.version} were published after checkpoint step "
+                f"{self.step}, but {self.journal.path} lacks the steps in between"
+            )
+        state = await fetcher.fetch(latest)
+        load_state_dict_into(self.model, state)
+        buf = self.buffer
+        for entry in entries:
+            for gid, version in entry.groups.items():
+                buf.ready.pop(gid, None)
+                buf.partial.pop(gid, None)
+                if gid not in buf.consumed:
+                    buf.consumed.add(gid)
+                    buf.consumed_by_version[version] += 1
+        log.info("learner_fast_forwarded", checkpoint_step=self.step, version=latest.version)
+        self.step = latest.version
+        return True
+
+    def _journal(self, step: int, groups: dict[str, int]) -> None:
+        self.journal.append(JournalEntry(step, groups))
 
     def _state(self) -> LearnerState:
         buf = self.buffer

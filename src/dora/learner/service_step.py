@@ -30,6 +30,10 @@ class TrainingStep(CheckpointGlue):
         self.buffer.mark_consumed(batch.groups)
         self.step = step + 1
         self.history.append((step, batch.request_ids))
+        # before the version exists: a resume must know what it was trained on
+        await asyncio.to_thread(
+            self._journal, step, {g.group_id: g.ledger_version for g in batch.groups}
+        )
         metrics.update(self._bookkeeping(batch))
         event = await self.publisher.publish(
             self.model, self.step, step=step, metrics=metrics, step_end=step_end

@@ -9,7 +9,10 @@ never an unbounded buffer. Observations feed the pure ``Dispatcher``:
 - consumption from the learner's ``Metrics`` (``consumed_groups``, and its step),
 - published versions from ``weights``.
 
-Every change rewrites the ``Ledger`` (KV key ``ledger``) the learner and orchestrator read.
+Every change rewrites the ``Ledger`` (KV key ``ledger``) the learner and orchestrator read,
+and the dispatcher's own state (KV key ``dispatcher``, ``dora.rollout.dispatcher_snapshot``)
+before the messages that changed it are acked: a restarted dispatcher (``dora run --resume``,
+or its process killed) continues from that state, and the bus redelivers what came after.
 Request event ids are derived from request ids, so a re-publish after a crash is deduplicated.
 """
 
@@ -34,11 +37,15 @@ from dora.events import (
     WeightVersion,
 )
 from dora.rollout.dispatcher import Dispatcher, Tokenize
+from dora.rollout.dispatcher_snapshot import SNAPSHOT_KEY, DispatcherSnapshot
 from dora.stage.deadletter import build_dead_letter, validation_reason
 
 log = structlog.get_logger(__name__)
 
 LEDGER_KEY = "ledger"
+PROMPT_ACK_WAIT_S = 5.0
+"""The prompt being admitted is heartbeated every second while it waits; after a crash it
+(and so every prompt behind it: one is pending at a time) is redelivered this soon."""
 
 
 def request_event_id(request: RolloutRequest) -> str:
@@ -90,7 +97,7 @@ class DispatchService:
             "weights": await self.bus.consumer(ConsumerSpec("dispatcher", s.weights)),
         }
         prompts = await self.bus.consumer(
-            ConsumerSpec("dispatcher", s.prompts, max_ack_pending=1, ack_wait_s=30.0)
+            ConsumerSpec("dispatcher", s.prompts, max_ack_pending=1, ack_wait_s=PROMPT_ACK_WAIT_S)
         )
         tasks = [
             asyncio.create_task(self._watch_status(status)),
@@ -103,6 +110,7 @@ class DispatchService:
                 )
             ),
         ]
+        await self._restore()
         await self._write_ledger()
         try:
             await self._dispatch_loop(prompts)
@@ -112,10 +120,26 @@ class DispatchService:
             for consumer in (*consumers.values(), prompts):
                 await consumer.close()
 
+    async def _restore(self) -> None:
+        """Continue from the state a previous dispatcher of this run left (if any)."""
+        raw = await self.bus.kv_get(SNAPSHOT_KEY)
+        if not raw:
+            return
+        self.dispatcher.restore(DispatcherSnapshot.model_validate_json(raw))
+        await self._publish(self.dispatcher.unpublished)
+        self._log.info(
+            "dispatcher_restored",
+            groups_admitted=self.dispatcher.groups_admitted,
+            open_groups=self.dispatcher.in_flight(),
+            learner_step=self.dispatcher.learner_step,
+            newest_version=self.dispatcher.newest_version,
+        )
+
     # ------------------------------------------------------------------ dispatching
 
     def _finished_quota(self) -> bool:
-        return self.max_prompts is not None and self.stats.prompts >= self.max_prompts
+        admitted = self.dispatcher.groups_admitted
+        return self.max_prompts is not None and admitted >= self.max_prompts
 
     async def _dispatch_loop(self, prompts: object) -> None:
         while not self._stop.is_set() and not self._finished_quota():
@@ -132,6 +156,9 @@ class DispatchService:
         except ValueError as exc:
             await self._dead_letter(msg, f"invalid Prompt: {exc}")
             return
+        if self.dispatcher.admitted_before(prompt):  # admitted, then crashed before the ack
+            await msg.ack()
+            return
         while not self._stop.is_set():
             async with self._lock:
                 admission = self.dispatcher.admit(prompt, self.assigned.values())
@@ -145,14 +172,19 @@ class DispatchService:
         else:
             await msg.nak()
             return
-        for request in admission.requests:
-            event = request.model_copy(update={"event_id": request_event_id(request)})
-            await self.bus.publish_event(self.bus.subjects.requests(request.version), event)
+        await self._write_ledger()  # the group exists before any of its requests does
+        await self._publish(admission.requests)
         await msg.ack()
         self.stats.prompts += 1
         self.stats.groups += 1
         self.stats.requests += len(admission.requests)
         await self._write_ledger()
+
+    async def _publish(self, requests: tuple[RolloutRequest, ...]) -> None:
+        for request in requests:
+            event = request.model_copy(update={"event_id": request_event_id(request)})
+            await self.bus.publish_event(self.bus.subjects.requests(request.version), event)
+        self.dispatcher.mark_published()
 
     async def _dead_letter(self, msg: Message, reason: str) -> None:
         letter = DeadLetter(
@@ -166,6 +198,8 @@ class DispatchService:
         await msg.term()
 
     async def _write_ledger(self) -> None:
+        """The dispatcher's state, then the ledger derived from it (both before any ack)."""
+        await self.bus.kv_put(SNAPSHOT_KEY, self.dispatcher.snapshot().model_dump_json().encode())
         ledger = self.dispatcher.ledger()
         await self.bus.kv_put(LEDGER_KEY, ledger.model_dump_json().encode())
 

@@ -31,7 +31,8 @@ from typing import Literal
 import structlog
 
 from dora.events import Ledger, Prompt, RolloutRequest, SamplingParams, now
-from dora.rollout.staleness import StalenessLedger
+from dora.rollout.dispatcher_snapshot import DispatcherSnapshot, OpenGroup
+from dora.rollout.staleness import Counts, StalenessLedger
 
 log = structlog.get_logger(__name__)
 
@@ -122,6 +123,8 @@ def _group_id(prompt_id: str, occurrence: int) -> str:
 
 _CONSUMED_MEMORY = 65_536
 """Consumed group ids remembered; far more than can be in flight between two subjects."""
+_SNAPSHOT_CONSUMED = 1024
+"""Of those, kept across a restart at least (a resumed learner re-reports recent ones)."""
 
 
 class Dispatcher:
@@ -137,6 +140,10 @@ class Dispatcher:
         self._consumed: OrderedDict[str, None] = OrderedDict()
         """Recently consumed group ids: the learner's report may overtake the last ``scored``."""
         self._occurrences: Counter[str] = Counter()
+        self.last_prompt: str | None = None
+        """Event id of the last prompt admitted (a redelivery of it is not admitted twice)."""
+        self.unpublished: tuple[RolloutRequest, ...] = ()
+        """The last admitted group's requests until the service confirms their publication."""
         self.revision = 0
         """Bumped on every change of the ledger: write ``ledger()`` when it moved."""
         self._log = log.bind(mode=config.mode)
@@ -213,6 +220,8 @@ class Dispatcher:
             reason = "sync-barrier" if barrier else "staleness-budget"
             return Admission(False, version, reason=reason)
         requests = self._build(prompt, version, now() if at is None else at)
+        self.last_prompt = prompt.event_id
+        self.unpublished = requests
         group = _Group(requests[0].group_id, version, tuple(r.request_id for r in requests))
         self._groups[group.group_id] = group
         for rid in group.request_ids:
@@ -223,8 +232,11 @@ class Dispatcher:
 
     def _build(self, prompt: Prompt, version: int, at: float) -> tuple[RolloutRequest, ...]:
         occurrence = self._occurrences[prompt.prompt_id]
-        self._occurrences[prompt.prompt_id] += 1
         gid = _group_id(prompt.prompt_id, occurrence)
+        while gid in self._groups or gid in self._consumed:  # seen before a restart
+            occurrence += 1
+            gid = _group_id(prompt.prompt_id, occurrence)
+        self._occurrences[prompt.prompt_id] = occurrence + 1
         token_ids = tuple(self.tokenize(prompt.text)) if self.tokenize else ()
         g = self.config.group_size
         template = self.config.sampling
@@ -245,6 +257,16 @@ class Dispatcher:
             )
             for i in range(g)
         )
+
+    def admitted_before(self, prompt: Prompt) -> bool:
+        """True for a redelivery of the last prompt admitted (the crash came before its ack)."""
+        return prompt.event_id is not None and prompt.event_id == self.last_prompt
+
+    def mark_published(self) -> None:
+        """The service published every request of the last admitted group."""
+        if self.unpublished:
+            self.unpublished = ()
+            self.revision += 1
 
     # ------------------------------------------------------------------ completion
 
@@ -292,6 +314,55 @@ class Dispatcher:
         if learner_step is not None:
             self.observe_learner_step(learner_step)
 
+    # ------------------------------------------------------------------ crash recovery
+
+    def snapshot(self) -> DispatcherSnapshot:
+        """Everything a restarted dispatcher needs (``dora.rollout.dispatcher_snapshot``)."""
+        ledger = self.ledger_state
+        keep = max(_SNAPSHOT_CONSUMED, 16 * self.config.batch_groups)
+        return DispatcherSnapshot(
+            mode=self.config.mode,
+            group_size=self.config.group_size,
+            newest_version=self.newest_version,
+            learner_step=ledger.learner_step,
+            counts={v: (c.dispatched, c.finished, c.consumed) for v, c in ledger.versions.items()},
+            groups=[
+                OpenGroup(
+                    group_id=g.group_id,
+                    version=g.version,
+                    size=len(g.request_ids),
+                    done=sorted(g.request_ids.index(r) for r in g.done),
+                )
+                for g in self._groups.values()
+            ],
+            consumed=list(self._consumed)[-keep:],
+            repeats={p: n for p, n in self._occurrences.items() if n > 1},
+            last_prompt=self.last_prompt,
+            unpublished=list(self.unpublished),
+        )
+
+    def restore(self, snap: DispatcherSnapshot) -> None:
+        """Continue from ``snap`` (taken by a dispatcher of the same mode and group size)."""
+        if (snap.mode, snap.group_size) != (self.config.mode, self.config.group_size):
+            raise ValueError(
+                f"the run's dispatcher state is for mode={snap.mode} group_size="
+                f"{snap.group_size}, not mode={self.config.mode} "
+                f"group_size={self.config.group_size}"
+            )
+        self.newest_version = snap.newest_version
+        self.ledger_state.learner_step = snap.learner_step
+        self.ledger_state.versions = {v: Counts(*c) for v, c in snap.counts.items()}
+        self._groups, self._group_of = {}, {}
+        for g in snap.groups:
+            ids = tuple(f"{g.group_id}/{i}" for i in range(g.size))
+            self._groups[g.group_id] = _Group(g.group_id, g.version, ids, {ids[i] for i in g.done})
+            self._group_of.update(dict.fromkeys(ids, g.group_id))
+        self._consumed = OrderedDict.fromkeys(snap.consumed)
+        self._occurrences = Counter(snap.repeats)
+        self.last_prompt = snap.last_prompt
+        self.unpublished = tuple(snap.unpublished)
+        self.revision += 1
+
     # ------------------------------------------------------------------ reports
 
     def ledger(self) -> Ledger:
@@ -314,6 +385,11 @@ class Dispatcher:
 
     def urgent_request_ids(self, horizon: int | None = None) -> set[str]:
         return {rid for u in self.urgent(horizon) for rid in u.pending_request_ids}
+
+    @property
+    def groups_admitted(self) -> int:
+        """Groups dispatched since the run began (restarts included)."""
+        return sum(c.dispatched for c in self.ledger_state.versions.values())
 
     def in_flight(self) -> int:
         """Groups dispatched and not yet consumed."""
