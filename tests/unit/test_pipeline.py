@@ -193,3 +193,21 @@ def test_stage_module_next_to_the_yaml_is_importable_without_pythonpath(tmp_path
     )
     pipe = load_pipeline(write(tmp_path, "stages:\n  - type: 'my_local_stages:shout'\n"))
     assert [s.name for s in pipe.stages] == ["shout"]
+
+
+async def test_a_run_that_stops_making_progress_fails_with_each_stages_state(
+    bus: MemoryBus,
+) -> None:
+    """The sink waits for a fourth prompt that never comes: instead of waiting forever, the
+    run fails once nothing moved for ``stall_timeout`` seconds, naming where each stage is."""
+
+    class NeedsFour(Collect):
+        async def handle(self, p: Prompt, ctx: Context) -> None:
+            self.got.append(p.event_id)  # completes only at 4, which never comes
+
+        def progress_total(self) -> int | None:
+            return 4
+
+    pipeline = Pipeline(bus=bus, stall_timeout=0.5).add(three).add(NeedsFour(name="sink"))
+    with pytest.raises(PipelineError, match=r"no stage made progress for 0 s: .*sink 3/4"):
+        await pipeline.run()

@@ -53,7 +53,10 @@ class Pipeline:
         stream_max_msgs: int = 100_000,
         drain_timeout: float = 30.0,
         connect_timeout: float = 15.0,
+        stall_timeout: float | None = None,
     ) -> None:
+        """``stall_timeout``: seconds without progress in any stage after which the run fails
+        with each stage's state and the dispatcher's ledger (None: wait forever)."""
         if bus is not None and run_id is not None and bus.subjects.run != run_id:
             raise StageError(f"run_id {run_id!r} differs from the bus's {bus.subjects.run!r}")
         self.run_id = bus.subjects.run if bus is not None else (run_id or new_run_id(name))
@@ -64,6 +67,7 @@ class Pipeline:
         self.stream_max_msgs = stream_max_msgs
         self.drain_timeout = drain_timeout
         self.connect_timeout = connect_timeout
+        self.stall_timeout = stall_timeout
         self._bus = bus
         self._owns_bus = bus is None
         self._server: NatsServer | None = None
@@ -154,6 +158,8 @@ class Pipeline:
         stop = asyncio.create_task(self._stop_requested.wait())
         pending: set[asyncio.Task[Any]] = {t for r in self.runners for t in r.tasks}
         pending |= waiters | {stop}
+        if self.stall_timeout is not None:
+            pending.add(asyncio.create_task(self._watch_stall(self.stall_timeout), name="stall"))
         try:
             while True:
                 if finite and all(ev.is_set() for ev in finite):
@@ -166,13 +172,52 @@ class Pipeline:
                     if task in waiters or task is stop or task.cancelled():
                         continue
                     exc = task.exception()
+                    if isinstance(exc, PipelineError):  # the stall watch: its own message
+                        raise exc
                     if exc is not None:
                         raise PipelineError(
                             f"stage task {task.get_name()} failed: {exc!r}"
                         ) from exc
         finally:
-            for task in (*waiters, stop):
+            for task in (*waiters, stop, *(t for t in pending if t.get_name() == "stall")):
                 task.cancel()
+
+    def _progress_mark(self) -> tuple[Any, ...]:
+        return tuple(
+            (
+                r.stats.received,
+                r.stats.processed,
+                r.stats.published,
+                r.stats.dead_lettered,
+                r.stage.progress_done(),
+            )
+            for r in self.runners
+        )
+
+    async def _watch_stall(self, timeout: float) -> None:
+        """Raise ``PipelineError`` once no stage has moved for ``timeout`` seconds."""
+        mark, since = self._progress_mark(), time.monotonic()
+        while True:
+            await asyncio.sleep(min(5.0, timeout / 4))
+            now_mark = self._progress_mark()
+            if now_mark != mark:
+                mark, since = now_mark, time.monotonic()
+            elif time.monotonic() - since >= timeout:
+                raise PipelineError(await self._stall_report(timeout))
+
+    async def _stall_report(self, timeout: float) -> str:
+        parts = []
+        for r in self.runners:
+            done = r.stage.progress_done()
+            count = r.stats.processed if done is None else done
+            total = r.stage.progress_total()
+            parts.append(f"{r.stage.name} {count}{'' if total is None else f'/{total}'}")
+        lines = [f"no stage made progress for {timeout:.0f} s: " + ", ".join(parts)]
+        with contextlib.suppress(Exception):
+            raw = await asyncio.wait_for(self.bus.kv_get("ledger"), timeout=5)
+            if raw:
+                lines.append(f"dispatcher ledger: {raw.decode()[:1500]}")
+        return "\n".join(lines)
 
     async def stop(self) -> None:
         """Drain and stop every stage, upstream first (the reverse of the order given), then

@@ -76,6 +76,8 @@ class PipelineFile(BaseModel):
     nats: str | None = None
     stream_max_msgs: int = Field(default=100_000, ge=1)
     drain_timeout_s: float = Field(default=30.0, gt=0)
+    stall_timeout_s: float | None = Field(default=600.0, gt=0)
+    """Fail the run when no stage makes progress for this long (None: wait forever)."""
     stages: list[StageEntry] = Field(min_length=1)
 
 
@@ -160,6 +162,7 @@ def load_pipeline(
             run_dir=run_dir,
             stream_max_msgs=spec.stream_max_msgs,
             drain_timeout=spec.drain_timeout_s,
+            stall_timeout=spec.stall_timeout_s,
         )
     except (ValueError, StageError) as exc:
         raise PipelineConfigError(f"{path}: run_id: {exc}") from exc

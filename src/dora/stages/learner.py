@@ -192,6 +192,11 @@ class LearnerStage(Stage):
         if not self.task.cancelled() and self.task.exception() is None:
             await asyncio.to_thread(self._finish, ctx)
 
+    def progress_done(self) -> int | None:
+        """Steps taken, a resumed run's earlier ones included."""
+        service = getattr(self, "service", None)
+        return None if service is None else service.step
+
     def progress_total(self) -> int | None:
         steps = self.config.learner.get("max_steps")
         return int(steps) if steps is not None else None
