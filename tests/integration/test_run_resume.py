@@ -141,3 +141,38 @@ def test_stopped_run_resumes_to_completion(
             second.kill()
     assert code == 0, log.read_text()[-3000:]
     check_invariants(run_dir)
+
+
+def test_killed_echo_run_resumes_and_counts_every_event_once(
+    tmp_path: Path, repo_root: Path
+) -> None:
+    """The sink completes after ``expect`` distinct events: a resumed run counts the events
+    the killed process saw as well (before, it waited forever for the ones it missed)."""
+    count, run_dir = 4000, tmp_path / "run"
+    sets = ["--set", f"prompts.count={count}", "--set", f"sink.expect={count}"]
+    args = ["run", str(repo_root / "pipelines" / "echo.yaml"), "--run-dir", str(run_dir), *sets]
+    first = start(args, tmp_path / "first.log")
+    counted = run_dir / "state" / "sink.counted"
+    try:
+        deadline = time.monotonic() + 120
+        while not (counted.exists() and len(counted.read_text().splitlines()) >= count // 3):
+            assert first.poll() is None and time.monotonic() < deadline, "no progress"
+            time.sleep(0.05)
+        first.kill()
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    before = len(counted.read_text().splitlines())
+    assert before < count, "the run finished before it was killed"
+    second = start(["run", "--resume", str(run_dir)], tmp_path / "second.log")
+    try:
+        code = second.wait(timeout=180)
+    finally:
+        if second.poll() is None:
+            second.kill()
+    assert code == 0, (tmp_path / "second.log").read_text()[-3000:]
+    sink = json.loads((run_dir / "summary.json").read_text())["stages"]["sink"]
+    assert sink["count"] + sink["dead_letters"] == count
+    rows = [json.loads(line) for line in counted.open()]
+    assert sink["count"] == len({key for kind, key, *_ in rows if kind == "S"})

@@ -1,10 +1,17 @@
-"""A sink that counts scored trajectories (each event id once) and completes after ``expect``."""
+"""A sink that counts scored trajectories (each event id once) and completes after ``expect``.
+
+What it counted is appended to ``RUN_DIR/state/<name>.counted`` before the event is acked, so
+a resumed run (``dora run --resume``: same run, same KV store) counts the events of the
+earlier process too, and an event redelivered after a crash is still counted once.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+import json
+from pathlib import Path
+from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -48,18 +55,52 @@ class CountingSink(Stage):
         self.dead: set[str] = set()
         self._dead_task: asyncio.Task[None] | None = None
         self._dead_consumer: Consumer | None = None
+        self._journal: IO[str] | None = None
 
     @property
     def finite(self) -> bool:  # type: ignore[override]
         return self.config.expect is not None
 
     async def setup(self, ctx: Context) -> None:
+        if ctx.run_dir is not None:
+            path = Path(ctx.run_dir) / "state" / f"{self.name}.counted"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # the bus's KV store says whether this run counted before (a resume), not the file:
+            # a new run reusing a folder starts from zero
+            key = f"sink.{self.name}.counted"
+            if path.exists() and await ctx.bus.kv_get(key):
+                self._replay(path.read_text(encoding="utf-8"))
+            else:
+                path.write_text("", encoding="utf-8")
+                await ctx.bus.kv_put(key, b"1")
+            self._journal = path.open("a", encoding="utf-8")
         if self.config.count_dead_letters:
             spec = ConsumerSpec(
                 f"{self.name}-deadletters", ctx.bus.subjects.deadletter, max_ack_pending=1024
             )
             self._dead_consumer = await ctx.bus.consumer(spec)
             self._dead_task = asyncio.create_task(self._count_dead(ctx, self._dead_consumer))
+
+    def _replay(self, text: str) -> None:
+        """Counts of an earlier process of this run (a torn last line is skipped)."""
+        for line in text.splitlines():
+            try:
+                kind, key, *values = json.loads(line)
+                if kind == "D":
+                    self.dead.add(str(key))
+                elif kind == "S" and key not in self.seen:
+                    reward, correct, error = float(values[0]), int(values[1]), int(values[2])
+                    self.seen.add(str(key))
+                    self.reward_sum += reward
+                    self.correct += correct
+                    self.errors += error
+            except (ValueError, TypeError, IndexError):
+                continue
+
+    def _note(self, *fields: object) -> None:
+        if self._journal is not None:
+            self._journal.write(json.dumps(fields) + "\n")
+            self._journal.flush()  # in the OS before the ack: survives a kill of this process
 
     async def teardown(self, ctx: Context) -> None:
         if self._dead_task is not None:
@@ -68,6 +109,8 @@ class CountingSink(Stage):
                 await self._dead_task
         if self._dead_consumer is not None:
             await self._dead_consumer.close()
+        if self._journal is not None:
+            self._journal.close()
 
     async def _count_dead(self, ctx: Context, consumer: Consumer) -> None:
         while True:
@@ -78,10 +121,13 @@ class CountingSink(Stage):
             for msg in msgs:
                 try:
                     letter = DeadLetter.model_validate_json(msg.data)
-                    self.dead.add(letter.event_id)
+                    key = letter.event_id
                     ctx.log.warning("dead letter", stage=letter.stage, reason=letter.reason[:200])
                 except ValidationError:
-                    self.dead.add(f"seq-{msg.stream_seq}")
+                    key = f"seq-{msg.stream_seq}"
+                if key not in self.dead:
+                    self.dead.add(key)
+                    self._note("D", key)
                 await msg.ack()
             self._check(ctx)
 
@@ -98,6 +144,8 @@ class CountingSink(Stage):
         self.correct += int(scored.correct)
         self.reward_sum += scored.reward
         self.errors += int(bool(scored.error))
+        error = int(bool(scored.error))
+        self._note("S", scored.event_id, scored.reward, int(scored.correct), error)
         count = len(self.seen)
         if self.config.print_every and count % self.config.print_every == 0:
             prompt = scored.trajectory.request.prompt
