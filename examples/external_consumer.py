@@ -1,38 +1,53 @@
-"""Read a dora run's trajectories from any program: plain nats-py + the published JSON Schema.
+"""Read a dora run's trajectories (or scored trajectories) from any program: plain nats-py and
+the published JSON Schemas. It imports nothing from dora, on purpose; it relies only on the
+wire contract in ``schemas/CONTRACT.md``:
 
-This script imports nothing from dora, on purpose. All it relies on is the wire contract:
+- subjects are ``dora.<run>.<family>``, in the JetStream stream ``DORA_<RUN>_<FAMILY>`` (run id
+  upper-cased, ``-`` turned into ``_``); ``trajectories`` and ``scored`` are *interest*
+  streams: a message is kept only for the consumers that existed when it was published;
+- a pipeline with a ``replay:`` block also keeps a copy on ``dora.<run>.replay.<family>``
+  (stream ``DORA_<RUN>_REPLAY``), which a late or restarted reader reads from the start;
+- each payload is one JSON object described by ``schemas/<Type>.json``.
 
-- subjects are ``dora.<run>.<family>``; trajectories go to ``dora.<run>.trajectories``;
-- that subject lives in the JetStream stream ``DORA_<RUN>_TRAJECTORIES`` (run id upper-cased,
-  ``-`` turned into ``_``), an *interest* stream: a message is kept until every consumer that
-  existed when it was published has acked it;
-- each payload is one JSON object described by ``schemas/Trajectory.json``.
+Find the run by its folder (``runs/<id>/run.json`` holds the NATS URL and run id once the run
+has started) or by ``--nats`` and ``--run``. Started before the run, it waits for the run's
+stream; it attaches its own durable pull consumer (taking nothing away from the pipeline),
+validates every message against the schema, prints one line per message and acks it.
 
-It attaches a durable pull consumer of its own (so it takes nothing away from the learner),
-validates every trajectory against the schema, prints one line per message and acks it.
+    python examples/external_consumer.py --run-dir runs/myrun --max 100
+    python examples/external_consumer.py --nats nats://127.0.0.1:4222 --run myrun --replay
 
-    python examples/external_consumer.py --nats nats://127.0.0.1:4222 --run myrun --max 100
-
-Exit status: 0 when every message validated, 1 when any did not, 2 on bad arguments.
+Exit status: 0 when every message validated, 1 when any did not, 2 on bad arguments, 3 when
+there is no server, or the run's stream did not appear within ``--wait`` seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import signal
 import sys
+import time
 from pathlib import Path
 
 import jsonschema
 import nats
 from nats.js import api
+from nats.js.errors import NotFoundError
 
-DEFAULT_SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "Trajectory.json"
+SCHEMAS = Path(__file__).resolve().parents[1] / "schemas"
+TYPES = {"trajectories": "Trajectory", "scored": "ScoredTrajectory"}
+NO_SERVER, INVALID = 3, 1
 
 
-def stream_name(run: str) -> str:
-    return f"DORA_{run}_TRAJECTORIES".upper().replace("-", "_")
+class Unavailable(Exception):
+    """No server, or the run's stream never appeared: the message says which."""
+
+
+def stream_name(run: str, family: str) -> str:
+    return f"DORA_{run}_{family}".upper().replace("-", "_")
 
 
 def load_validator(path: Path) -> jsonschema.protocols.Validator:
@@ -43,7 +58,7 @@ def load_validator(path: Path) -> jsonschema.protocols.Validator:
 
 
 def check(validator: jsonschema.protocols.Validator, data: bytes) -> str | None:
-    """None when ``data`` is a valid trajectory, else the first problem found."""
+    """None when ``data`` is valid, else the first problem found."""
     try:
         doc = json.loads(data)
     except ValueError as exc:
@@ -55,29 +70,93 @@ def check(validator: jsonschema.protocols.Validator, data: bytes) -> str | None:
     return f"{where}: {error.message}"
 
 
-async def consume(args: argparse.Namespace) -> int:
-    validator = load_validator(args.schema)
-    nc = await nats.connect(args.nats)
-    js = nc.jetstream()
-    subject = f"dora.{args.run}.trajectories"
-    sub = await js.pull_subscribe(
-        subject,
-        durable=args.durable,
-        stream=stream_name(args.run),
-        config=api.ConsumerConfig(
-            ack_policy=api.AckPolicy.EXPLICIT, deliver_policy=api.DeliverPolicy.ALL
-        ),
-    )
+def find_run(run_dir: Path, wait_s: float) -> tuple[str, str]:
+    """(NATS URL, run id) from ``run_dir/run.json``, waiting for the run to write its URL."""
+    path = run_dir / "run.json"
+    deadline = time.monotonic() + wait_s
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            record = json.loads(path.read_text(encoding="utf-8"))
+            if record.get("url") and record.get("run_id"):
+                return str(record["url"]), str(record["run_id"])
+        if time.monotonic() >= deadline:
+            raise Unavailable(f"{path} names no running server after {wait_s:g}s")
+        time.sleep(0.2)
+
+
+async def connect(url: str) -> nats.NATS:
+    async def quiet(exc: Exception) -> None:  # one line at exit instead of a traceback each
+        pass
+
+    try:
+        return await nats.connect(
+            url,
+            connect_timeout=2,
+            max_reconnect_attempts=5,
+            reconnect_time_wait=1,
+            allow_reconnect=True,
+            error_cb=quiet,
+        )
+    except Exception as exc:  # nats-py raises several unrelated types for "nobody there"
+        raise Unavailable(f"no NATS server at {url} ({type(exc).__name__}: {exc})") from exc
+
+
+async def wait_for_stream(js: nats.js.JetStreamContext, run: str, family: str, wait_s: float):
+    """The stream's info once the run has created it (a run creates its streams at start)."""
+    deadline = time.monotonic() + wait_s
+    told = False
+    while True:
+        try:
+            return await js.stream_info(stream_name(run, family))
+        except NotFoundError:
+            if time.monotonic() >= deadline:
+                hint = " (does the pipeline have a `replay:` block?)" if family == "replay" else ""
+                raise Unavailable(
+                    f"run {run} has no {family} stream after {wait_s:g}s{hint}"
+                ) from None
+            if not told:
+                print(f"waiting for run {run}'s {family} stream...", file=sys.stderr, flush=True)
+                told = True
+            await asyncio.sleep(0.5)
+
+
+async def consume(args: argparse.Namespace, url: str, run: str) -> int:
+    validator = load_validator(args.schema or SCHEMAS / f"{TYPES[args.family]}.json")
+    nc = await connect(url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     valid = invalid = 0
     try:
-        while not args.max or valid + invalid < args.max:
+        js = nc.jetstream()
+        stream_family = "replay" if args.replay else args.family
+        subject = f"dora.{run}.{'replay.' if args.replay else ''}{args.family}"
+        await wait_for_stream(js, run, stream_family, args.wait)
+        sub = await js.pull_subscribe(
+            subject,
+            durable=args.durable,
+            stream=stream_name(run, stream_family),
+            config=api.ConsumerConfig(
+                ack_policy=api.AckPolicy.EXPLICIT, deliver_policy=api.DeliverPolicy.ALL
+            ),
+        )
+        print(f"attached to {subject} as {args.durable}", file=sys.stderr, flush=True)
+        idle_since = time.monotonic()
+        while not stop.is_set() and (not args.max or valid + invalid < args.max):
             want = 64 if not args.max else min(64, args.max - valid - invalid)
             try:
-                msgs = await sub.fetch(want, timeout=args.idle_timeout or 5.0)
+                msgs = await sub.fetch(want, timeout=1.0)
             except TimeoutError:  # nats-py raises its own subclass or the builtin one
-                if args.idle_timeout:
+                msgs = []
+            except nats.errors.ConnectionClosedError:
+                print(f"the server at {url} went away", file=sys.stderr, flush=True)
+                break
+            if not msgs:
+                if args.idle_timeout and time.monotonic() - idle_since >= args.idle_timeout:
                     break
                 continue
+            idle_since = time.monotonic()
             for msg in msgs:
                 event_id = (msg.headers or {}).get("Nats-Msg-Id", "?")
                 problem = check(validator, msg.data)
@@ -89,26 +168,50 @@ async def consume(args: argparse.Namespace) -> int:
                     print(f"INVALID {event_id}: {problem}", flush=True)
                 await msg.ack()
     finally:
-        await nc.flush()  # the acks
-        await nc.close()
+        with contextlib.suppress(Exception):
+            await nc.flush(timeout=2)  # the acks
+        with contextlib.suppress(Exception):
+            await nc.close()
     print(f"validated {valid}, invalid {invalid}", flush=True)
-    return 0 if invalid == 0 else 1
+    return 0 if invalid == 0 else INVALID
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--nats", required=True, help="NATS URL of the run's server")
-    parser.add_argument("--run", required=True, help="run id")
+    where = parser.add_argument_group("which run (a run folder, or --nats and --run)")
+    where.add_argument("--run-dir", type=Path, help="the run's folder (reads its run.json)")
+    where.add_argument("--nats", help="NATS URL of the run's server")
+    where.add_argument("--run", help="run id (`dora run --run-id ID` sets it)")
+    parser.add_argument("--family", choices=sorted(TYPES), default="trajectories")
+    parser.add_argument(
+        "--replay", action="store_true", help="read the run's replay copy from its start"
+    )
     parser.add_argument("--max", type=int, default=0, help="stop after N messages (0: never)")
     parser.add_argument("--durable", default="external-audit", help="this consumer's name")
-    parser.add_argument("--schema", type=Path, default=DEFAULT_SCHEMA, help="Trajectory.json")
+    parser.add_argument("--schema", type=Path, help="schema file; default: the family's type")
     parser.add_argument(
         "--idle-timeout", type=float, default=0.0, help="stop after this many idle seconds"
     )
+    parser.add_argument(
+        "--wait", type=float, default=300.0, help="seconds to wait for the run to start"
+    )
     args = parser.parse_args(argv)
-    if not args.schema.is_file():
+    if args.schema is not None and not args.schema.is_file():
         parser.error(f"--schema {args.schema} is not a file")
-    return asyncio.run(consume(args))
+    if args.run_dir is None and not (args.nats and args.run):
+        parser.error("give --run-dir, or both --nats and --run")
+    try:
+        if args.run_dir is not None:
+            url, run = find_run(args.run_dir, args.wait)
+        else:
+            url, run = args.nats, args.run
+        return asyncio.run(consume(args, url, run))
+    except Unavailable as exc:
+        hint = " (an embedded server stops when its run ends)" if args.run_dir else ""
+        print(f"error: {exc}{hint}", file=sys.stderr, flush=True)
+        return NO_SERVER
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ Why a recorder and not just the streams: streams are trimmed (work and interest 
 delete what was consumed) and live subjects (engine status) are never stored, yet a report
 after the run needs all of it. The recorder is one more durable consumer (``recorder``) on the
 durable families, plus a live subscription to ``status.*``; it appends each payload to
-``events/<family>.jsonl`` and acks only what it has written (at-least-once: a crash means a
-redelivered line, which ``dora.report`` deduplicates by ``event_id``).
+``events/<family>.jsonl`` and acks only what it has written. A crash means redelivery of what
+it had not acked: it skips an event id it wrote within the last ack window (seeded from the
+file's tail on restart), and on stop it waits (up to ``drain_timeout_s``) for messages still
+owed to it by a crashed predecessor, so a resumed run's record holds every event once.
 
 It must never slow the pipeline: each family holds at most one fetched batch in memory (the
 consumer's ``max_ack_pending`` bounds the rest on the server), status is thinned per engine
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -43,6 +46,8 @@ STATUS_FILE = "status"
 LEDGER_FILE = "ledger"
 REJECTED_FILE = "rejected"
 LEDGER_KEY = "ledger"
+ACK_WAIT_S = 5.0
+"""A batch is written and acked in milliseconds; a crashed recorder's batch returns this soon."""
 
 
 @dataclass
@@ -51,6 +56,7 @@ class RecorderStats:
 
     written: dict[str, int] = field(default_factory=dict)
     rejected: int = 0
+    redelivered: int = 0
     status_thinned: int = 0
     status_dropped: int = 0
 
@@ -71,6 +77,20 @@ def _as_line(data: bytes) -> tuple[bytes | None, str]:
         except ValueError as exc:
             return None, f"not JSON: {exc}"
     return body, ""
+
+
+def _tail_ids(path: Path, count: int) -> OrderedDict[str, None]:
+    """Event ids of the last ``count`` lines of a recorded file (empty when there is none)."""
+    ids: OrderedDict[str, None] = OrderedDict()
+    if not path.exists():
+        return ids
+    with path.open("rb") as fh:
+        for line in deque(fh, maxlen=count):
+            with contextlib.suppress(ValueError, AttributeError):
+                event_id = json.loads(line).get("event_id")
+                if isinstance(event_id, str):
+                    ids[event_id] = None
+    return ids
 
 
 class RunRecorder:
@@ -120,6 +140,8 @@ class RunRecorder:
         self._subscription: Subscription | None = None
         self._receiver: asyncio.Task[None] | None = None
         self._started = False
+        self._window = max(self.batch * 4, 1024)  # the consumer's max_ack_pending
+        self._recent: dict[str, OrderedDict[str, None]] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -130,11 +152,12 @@ class RunRecorder:
         self._started = True
         self.dir.mkdir(parents=True, exist_ok=True)
         for family in self.families:
+            self._recent[family] = _tail_ids(self.dir / f"{family}.jsonl", self._window)
             spec = ConsumerSpec(
                 self.durable,
                 self._subject(family),
-                max_ack_pending=max(self.batch * 4, 1024),
-                ack_wait_s=60.0,
+                max_ack_pending=self._window,
+                ack_wait_s=ACK_WAIT_S,
             )
             consumer = await self.bus.consumer(spec)
             self._consumers.append(consumer)
@@ -208,7 +231,22 @@ class RunRecorder:
             self._files[stem] = fh
         return fh
 
+    def _seen(self, stem: str, msg: Message) -> bool:
+        """True for an event id written within the last ack window (a redelivery)."""
+        recent = self._recent.get(stem)
+        if recent is None or not msg.msg_id:
+            return False
+        if msg.msg_id in recent:
+            return True
+        recent[msg.msg_id] = None
+        if len(recent) > self._window:
+            recent.popitem(last=False)
+        return False
+
     def _write(self, stem: str, msg: Message) -> None:
+        if self._seen(stem, msg):
+            self.stats.redelivered += 1
+            return
         line, reason = _as_line(msg.data)
         if line is None:
             self.stats.rejected += 1
@@ -230,7 +268,8 @@ class RunRecorder:
                 fh.flush()
 
     async def _record_family(self, family: str, consumer: Consumer) -> None:
-        """Fetch a batch, write it, flush, ack it; on stop, fetch until the stream is empty."""
+        """Fetch a batch, write it, flush, ack it; on stop, fetch until the stream is empty
+        and nothing delivered to a crashed predecessor is still owed."""
         deadline: float | None = None
         while True:
             if self._stopping.is_set() and deadline is None:
@@ -242,10 +281,21 @@ class RunRecorder:
             self._flush(family)
             for msg in msgs:
                 await msg.ack()
-            if deadline is not None and (not msgs or time.monotonic() >= deadline):
-                if msgs:
-                    log.warning("recorder_drain_timeout", family=family)
+            if deadline is None:
+                continue
+            if not msgs and not await self._owed(consumer):
+                return  # drained
+            if time.monotonic() >= deadline:
+                log.warning("recorder_drain_timeout", family=family)
                 return
+
+    async def _owed(self, consumer: Consumer) -> bool:
+        """Messages delivered but never acked (a crashed recorder's): they come back within
+        ``ACK_WAIT_S``, so the drain waits for them."""
+        with contextlib.suppress(Exception):
+            state = await consumer.state()
+            return state.pending > 0 or state.ack_pending > 0
+        return False
 
     # ------------------------------------------------------------------ status
 

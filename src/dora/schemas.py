@@ -1,6 +1,7 @@
 """Export and check the JSON Schema of every wire type (``schemas/``).
 
-The schemas are generated from the pydantic models in ``dora.events``; ``schemas/`` is committed
+The schemas are generated from the pydantic models in ``dora.events`` (and ``CONTRACT.md``
+from ``dora.contract``); ``schemas/`` is committed
 so services in any language can produce or consume a stream without importing dora. Files are
 written with a fixed formatting (sorted keys, 2-space indent, trailing newline) so that exporting
 twice gives identical bytes and ``check`` can compare text.
@@ -24,9 +25,16 @@ def render(schema: dict[str, Any]) -> str:
     return json.dumps(schema, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
+CONTRACT_FILE = "CONTRACT.md"
+
+
 def expected_files() -> dict[str, str]:
-    """File name -> canonical text, for every wire type."""
-    return {name: render(schema) for name, schema in sorted(json_schemas().items())}
+    """File name -> canonical text, for every wire type, plus the stream contract page."""
+    from dora.contract import render_markdown
+
+    files = {name: render(schema) for name, schema in sorted(json_schemas().items())}
+    files[CONTRACT_FILE] = render_markdown()
+    return files
 
 
 def export(directory: Path = DEFAULT_DIR) -> list[Path]:

@@ -67,6 +67,10 @@ class Subjects:
     def metrics(self) -> str:
         return f"{self.root}.metrics"
 
+    def replay(self, family: str) -> str:
+        """Where the replay writer keeps a copy of ``family`` for late readers."""
+        return f"{self.root}.replay.{_check_token(family, 'replayed family')}"
+
     # live control plane (core NATS, not persisted)
     def status(self, engine: str) -> str:
         return f"{self.root}.status.{_check_token(engine, 'engine id')}"
@@ -130,11 +134,12 @@ DURABLE_FAMILIES = (
     "deadletter",
     "migrations",
     "metrics",
+    "replay",
 )
 """Families that JetStream persists; the rest (status, control, rpc) are live core subjects."""
 
 LIVE_FAMILIES = ("status", "control", "rpc")
 """Core-NATS families: not stored, seen only while subscribed."""
 
-FAMILIES_WITH_CHILDREN = ("requests", "status", "control", "rpc")
+FAMILIES_WITH_CHILDREN = ("requests", "status", "control", "rpc", "replay")
 """Families whose subjects carry one more token (a version, an engine, an rpc name)."""

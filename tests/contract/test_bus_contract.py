@@ -19,7 +19,7 @@ from dora.bus import (
     RequestTimeout,
     StreamSpec,
 )
-from dora.bus.base import default_streams
+from dora.bus.base import ReplayLimits, default_streams
 from dora.bus.server import NatsServer
 from dora.subjects import Subjects
 from tests.conftest import BusFactory
@@ -421,3 +421,29 @@ async def test_released_buffer_goes_back_to_the_queue_at_once(bus: Bus) -> None:
     assert sorted(int(m.data) for m in got) == [0, 1, 2]
     for msg in got:
         await msg.ack()
+
+
+async def test_replay_stream_keeps_acked_copies_then_drops_them_by_age_and_size(
+    make_bus: BusFactory,
+) -> None:
+    """The replay stream outlives its readers' acks, drops its oldest beyond ``max_bytes`` and
+    everything older than ``max_age_s``; it never blocks a producer."""
+    bus = make_bus(streams=default_streams(replay=ReplayLimits(max_age_s=1.0, max_bytes=1000)))
+    await bus.connect()
+    subject = bus.subjects.replay("trajectories")
+    reader = await bus.consumer(ConsumerSpec("late-reader", subject))
+    for i in range(20):  # 20 x 100 bytes (plus headers) into a 1000-byte stream: the oldest go
+        await bus.publish(subject, f"{i:03d}".encode() * 33 + b"x", msg_id=f"r{i}")
+    got = await reader.fetch(batch=20, timeout=1.0)
+    for m in got:
+        await m.ack()
+    kept = [m.msg_id for m in got]
+    assert 1 <= len(kept) <= 10 and kept == [f"r{i}" for i in range(20 - len(kept), 20)]
+    assert (await bus.stream_info(subject)).messages == len(kept)  # acked, still kept
+    deadline = asyncio.get_running_loop().time() + 15
+    while (
+        await bus.stream_info(subject)
+    ).messages and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.2)  # polling the server for the age limit to act
+    assert (await bus.stream_info(subject)).messages == 0
+    await bus.close()

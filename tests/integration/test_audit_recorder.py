@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 from dora import events
 from dora.audit import RunRecorder
 from dora.bus import ConsumerSpec, NatsBus
+from dora.bus.server import NatsServer
 
 
 def _prompt(i: int) -> events.Prompt:
@@ -128,3 +132,56 @@ async def test_recorder_resumes_after_restart(nats_bus: NatsBus, tmp_path: Path)
     async with RunRecorder(nats_bus, tmp_path, status=False, ledger=False):
         pass
     assert _ids(tmp_path / "events" / "metrics.jsonl") == [first.event_id, second.event_id]
+
+
+CRASHING_RECORDER = """
+import asyncio, sys
+from pathlib import Path
+from dora.bus import ConsumerSpec, NatsBus
+from dora.audit import ACK_WAIT_S
+from dora.subjects import Subjects
+
+async def main(url, run, out):
+    bus = NatsBus(Subjects(run), url)
+    await bus.connect()
+    spec = ConsumerSpec("recorder", bus.subjects.metrics, max_ack_pending=1024,
+                        ack_wait_s=ACK_WAIT_S)
+    consumer = await bus.consumer(spec)
+    msgs = await consumer.fetch(10, timeout=5.0)
+    with open(out, "ab") as fh:  # wrote (and flushed) half the batch, acked nothing
+        for msg in msgs[: len(msgs) // 2]:
+            fh.write(msg.data + b"\\n")
+    print(len(msgs), flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+async def test_a_sigkilled_recorders_batch_is_recorded_once_by_its_successor(
+    nats_bus: NatsBus, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Killed after writing half a fetched batch and acking none of it: the next recorder
+    gets the batch back (its drain waits for it) and writes each event exactly once."""
+    s = nats_bus.subjects
+    sent = [events.Metrics(step=i, values={"x": float(i)}) for i in range(6)]
+    for event in sent:
+        await nats_bus.publish_event(s.metrics, event)
+    out = tmp_path / "events" / "metrics.jsonl"
+    out.parent.mkdir(parents=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CRASHING_RECORDER, nats_server.url, s.run, str(out)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert (await asyncio.to_thread(proc.stdout.readline)).strip() == "6"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert len(_ids(out)) == 3
+
+    recorder = RunRecorder(nats_bus, tmp_path, status=False, ledger=False)
+    async with recorder:
+        pass  # started and stopped at once: the stop's drain waits for the owed batch
+    assert sorted(_ids(out)) == sorted(e.event_id for e in sent)
+    assert recorder.stats.redelivered == 3

@@ -16,7 +16,9 @@ from typer.testing import CliRunner
 
 from dora import events
 from dora.cli import app
-from dora.schemas import check, expected_files, export
+from dora.contract import FAMILY_EVENTS, render_markdown
+from dora.schemas import CONTRACT_FILE, check, expected_files, export
+from dora.subjects import DURABLE_FAMILIES, LIVE_FAMILIES, Subjects
 
 REPO_SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
 
@@ -90,8 +92,12 @@ def test_export_is_deterministic_and_check_names_each_problem(tmp_path: Path) ->
     first = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     export(tmp_path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == first
-    assert set(first) == {f"{cls.__name__}.json" for cls in events.WIRE_TYPES}
+    assert set(first) == {f"{cls.__name__}.json" for cls in events.WIRE_TYPES} | {CONTRACT_FILE}
     assert check(tmp_path).ok
+
+    (tmp_path / CONTRACT_FILE).write_text("# edited by hand\n")
+    assert check(tmp_path).stale == [CONTRACT_FILE]  # the contract page cannot drift either
+    export(tmp_path)
 
     (tmp_path / "Trajectory.json").write_text("{}\n")
     (tmp_path / "Prompt.json").unlink()
@@ -138,4 +144,14 @@ def test_schema_accepts_a_real_trajectory_and_rejects_what_the_model_rejects() -
 
 
 def test_expected_files_cover_every_wire_type() -> None:
-    assert len(expected_files()) == len(events.WIRE_TYPES)
+    names = set(expected_files())
+    assert names == {f"{cls.__name__}.json" for cls in events.WIRE_TYPES} | {CONTRACT_FILE}
+
+
+def test_the_contract_page_names_every_family_and_its_stream() -> None:
+    page = render_markdown()
+    for family in (*DURABLE_FAMILIES, *LIVE_FAMILIES):
+        assert f"`dora.RUN.{family}" in page
+    for family in DURABLE_FAMILIES:
+        assert f"`{Subjects('RUN').stream(family)}`" in page
+    assert set(FAMILY_EVENTS) | {"replay", "control", "rpc"} == {*DURABLE_FAMILIES, *LIVE_FAMILIES}

@@ -56,7 +56,8 @@ class StreamSpec:
     ``work``: a message is removed once acked (one consumer per subject, e.g. request queues);
     ``interest``: removed once every consumer has acked it (fan-out, e.g. trajectories);
     ``limits``: kept until the limits push it out (audit streams: weights, dead letters).
-    Work and interest streams refuse new messages when full, so producers wait.
+    Work and interest streams refuse new messages when full, so producers wait; a limits
+    stream discards its oldest. ``max_age_s`` > 0 discards messages older than that.
     """
 
     family: str
@@ -64,24 +65,54 @@ class StreamSpec:
     max_msgs: int = 100_000
     max_bytes: int = -1
     duplicate_window_s: float = 120.0
+    max_age_s: float = 0.0
 
     @property
     def blocks_when_full(self) -> bool:
         return self.retention != "limits"
 
 
-def default_streams(max_msgs: int = 100_000) -> tuple[StreamSpec, ...]:
-    """The streams of one run, with ``max_msgs`` as the backpressure bound of work queues."""
-    retention: dict[str, Retention] = {
-        "prompts": "work",
-        "requests": "work",
-        "trajectories": "interest",
-        "scored": "interest",
-    }
-    return tuple(
-        StreamSpec(family, retention.get(family, "limits"), max_msgs=max_msgs)
+RETENTION: dict[str, Retention] = {
+    "prompts": "work",
+    "requests": "work",
+    "trajectories": "interest",
+    "scored": "interest",
+}
+"""Retention of each durable family; any other keeps ``limits``."""
+
+
+@dataclass(frozen=True)
+class ReplayLimits:
+    """How long the ``replay`` stream keeps its copies (see ``dora.stages.replay_writer``):
+    the oldest go first once a message is ``max_age_s`` old or the stream holds
+    ``max_bytes`` (-1: no size limit)."""
+
+    max_age_s: float = 86_400.0
+    max_bytes: int = -1
+
+
+def default_streams(
+    max_msgs: int = 100_000, replay: ReplayLimits | None = None
+) -> tuple[StreamSpec, ...]:
+    """The streams of one run, with ``max_msgs`` as the backpressure bound of work queues;
+    with ``replay``, also the replay stream, bounded by age and size (never by count)."""
+    specs = [
+        StreamSpec(family, RETENTION.get(family, "limits"), max_msgs=max_msgs)
         for family in DURABLE_FAMILIES
-    )
+        if family != "replay"
+    ]
+    if replay is not None:
+        specs.append(
+            StreamSpec(
+                "replay",
+                "limits",
+                max_msgs=-1,
+                max_bytes=replay.max_bytes,
+                max_age_s=replay.max_age_s,
+                duplicate_window_s=min(StreamSpec.duplicate_window_s, replay.max_age_s),
+            )
+        )
+    return tuple(specs)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class _Stored:
     subject: str
     data: bytes
     headers: dict[str, str]
+    stored_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -78,7 +79,7 @@ class _Stream:
 
     def is_full(self) -> bool:
         over_bytes = 0 <= self.spec.max_bytes <= self.nbytes
-        return len(self.messages) >= self.spec.max_msgs or over_bytes
+        return 0 <= self.spec.max_msgs <= len(self.messages) or over_bytes
 
     def remove(self, seq: int) -> None:
         msg = self.messages.pop(seq, None)
@@ -105,6 +106,17 @@ class _Stream:
         """Limits retention: discard the oldest messages beyond the limits."""
         while self.messages and self.is_full():
             self.remove(next(iter(self.messages)))
+
+    def expire(self) -> None:
+        """``max_age_s``: discard messages older than that, whatever their retention."""
+        if self.spec.max_age_s <= 0:
+            return
+        horizon = time.monotonic() - self.spec.max_age_s
+        while self.messages:
+            seq, msg = next(iter(self.messages.items()))
+            if msg.stored_at > horizon:
+                break
+            self.remove(seq)
 
 
 class MemoryBroker:
@@ -245,6 +257,7 @@ class _MemoryConsumer(Consumer):
             raise BusError("consumer is closed")
         deadline = time.monotonic() + timeout
         while True:
+            self._rec.stream.expire()
             out, wake = self._take(batch)
             now = time.monotonic()
             if out or now >= deadline:
@@ -364,6 +377,7 @@ class MemoryBus(Bus):
             stream.nbytes += len(data)
         if stream.spec.retention == "limits":
             stream.trim()
+        stream.expire()
         self._fan_out(subject, data, hdrs)  # as in NATS, live subscribers see stored messages
         await self.broker.notify()
         return PublishResult(stream.name, stream.seq)
@@ -379,6 +393,7 @@ class MemoryBus(Bus):
         stream = self.broker.streams.get(self.subjects.stream(self.subjects.family_of(subject)))
         if stream is None:
             raise BusError(f"subject {subject!r} belongs to no durable stream")
+        stream.expire()
         return stream
 
     async def consumer(self, spec: ConsumerSpec) -> Consumer:

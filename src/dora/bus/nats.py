@@ -265,6 +265,7 @@ class NatsBus(Bus):
             discard=api.DiscardPolicy.NEW if spec.blocks_when_full else api.DiscardPolicy.OLD,
             storage=api.StorageType.FILE,
             duplicate_window=spec.duplicate_window_s,
+            max_age=spec.max_age_s or None,
         )
         try:
             await self.js.add_stream(config)

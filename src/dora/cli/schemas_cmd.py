@@ -13,11 +13,13 @@ DIR_OPTION = typer.Option(Path("schemas"), "--dir", help="Folder of the schema f
 
 @app.command("export")
 def export_cmd(directory: Path = DIR_OPTION) -> None:
-    """Write one JSON Schema file per wire type (and remove files of no wire type)."""
-    from dora.schemas import export
+    """Write one JSON Schema file per wire type and the stream contract page (CONTRACT.md),
+    and remove schema files of no wire type."""
+    from dora.schemas import CONTRACT_FILE, export
 
     written = export(directory)
-    typer.echo(f"wrote {len(written)} schemas to {directory}")
+    schemas = sum(p.name != CONTRACT_FILE for p in written)
+    typer.echo(f"wrote {schemas} schemas and {CONTRACT_FILE} to {directory}")
 
 
 @app.command("check")

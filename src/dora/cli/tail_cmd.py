@@ -21,19 +21,9 @@ from rich.console import Console
 from rich.text import Text
 
 from dora import events
+from dora.contract import FAMILY_EVENTS
 from dora.subjects import DURABLE_FAMILIES, Subjects
 
-FAMILY_TYPES: dict[str, Any] = {
-    "prompts": events.Prompt,
-    "requests": events.RolloutRequest,
-    "trajectories": events.Trajectory,
-    "scored": events.ScoredTrajectory,
-    "weights": events.WeightVersion,
-    "deadletter": events.DeadLetter,
-    "migrations": events.MigrationRecord,
-    "metrics": events.Metrics,
-    "status": events.EngineStatus,
-}
 _SKIP = {"event_id", "schema_version", "created_at"}
 _BULK = {"prompt_token_ids", "completion_token_ids", "logprobs", "loss_mask", "token_versions"}
 _MAX_VALUE = 48
@@ -41,7 +31,7 @@ _MAX_VALUE = 48
 
 def parse(family: str, data: bytes) -> tuple[BaseModel | None, str]:
     """The event in ``data`` (the family's type first, then every wire type), or the reason."""
-    candidates = [FAMILY_TYPES[family]] if family in FAMILY_TYPES else []
+    candidates = [FAMILY_EVENTS[family]] if family in FAMILY_EVENTS else []
     candidates += [t for t in events.WIRE_TYPES if t not in candidates]
     first_error = ""
     for cls in candidates:

@@ -22,6 +22,7 @@ import structlog
 from dora.bus import Bus, NatsBus, default_streams
 from dora.bus.server import NatsServer
 from dora.stage import Stage, StageError, StageRunner
+from dora.stages.replay_writer import ReplaySettings
 from dora.subjects import Subjects
 
 log = structlog.get_logger(__name__)
@@ -54,9 +55,11 @@ class Pipeline:
         drain_timeout: float = 30.0,
         connect_timeout: float = 15.0,
         stall_timeout: float | None = None,
+        replay: ReplaySettings | None = None,
     ) -> None:
         """``stall_timeout``: seconds without progress in any stage after which the run fails
-        with each stage's state and the dispatcher's ledger (None: wait forever)."""
+        with each stage's state and the dispatcher's ledger (None: wait forever).
+        ``replay``: keep a copy of these fan-out streams for late readers (replay writers)."""
         if bus is not None and run_id is not None and bus.subjects.run != run_id:
             raise StageError(f"run_id {run_id!r} differs from the bus's {bus.subjects.run!r}")
         self.run_id = bus.subjects.run if bus is not None else (run_id or new_run_id(name))
@@ -80,6 +83,9 @@ class Pipeline:
         self._finished_at = 0.0
         self._completed = False
         self._running = False
+        self.replay = replay
+        for writer in replay.writers() if replay else ():
+            self.add(writer)
 
     # ----------------------------------------------------------------- composition
 
@@ -116,7 +122,8 @@ class Pipeline:
             self._server = NatsServer(self.run_dir / "nats").spawn()
             await asyncio.to_thread(self._server.wait_ready)
             url = self._server.url
-        streams = default_streams(max_msgs=self.stream_max_msgs)
+        limits = self.replay.limits if self.replay else None
+        streams = default_streams(max_msgs=self.stream_max_msgs, replay=limits)
         bus = NatsBus(self.subjects, url, streams=streams)
         try:
             await asyncio.wait_for(bus.connect(), timeout=self.connect_timeout)
@@ -127,6 +134,14 @@ class Pipeline:
         self._bus = bus
         self.connected_url = url
 
+    def _check_replay_stream(self) -> None:
+        """A replay writer on a bus without the replay stream would publish into the void."""
+        if self.replay and not self.bus.is_durable(self.subjects.replay("trajectories")):
+            raise StageError(
+                "replay is set but the bus has no replay stream: build it with "
+                "streams=default_streams(replay=settings.limits)"
+            )
+
     async def start(self) -> None:
         if self._running:
             return
@@ -136,6 +151,7 @@ class Pipeline:
         self._started_at = time.time()
         try:
             await self._open_bus()
+            self._check_replay_stream()
             self.runners = [
                 StageRunner(stage, self.bus, replicas, drain_timeout=self.drain_timeout)
                 for stage, replicas in self._entries

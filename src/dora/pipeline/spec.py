@@ -7,6 +7,11 @@ Schema::
     nats: null                       # optional NATS URL; none = embedded nats-server
     stream_max_msgs: 100000          # optional backpressure bound of work streams
     drain_timeout_s: 30              # optional
+    stall_timeout_s: 600             # optional; fail a run that makes no progress this long
+    replay:                          # optional: keep copies for late readers (CONTRACT.md)
+      families: [trajectories, scored]
+      max_age_s: 86400               # the oldest copies go first after this, or
+      max_bytes: -1                  # beyond this size (-1: unbounded)
     stages:                          # at least one
       - type: prompt_source          # registry name (dora.registry) or package.module:attr
         name: prompts                # optional, default: the stage's own name
@@ -39,6 +44,7 @@ from dora.pipeline.core import Pipeline
 from dora.pipeline.overrides import OverrideError, apply_overrides, max_steps_overrides
 from dora.registry import UnknownStageType, build_stage
 from dora.stage import RetryPolicy, StageError, resolve_subject
+from dora.stages.replay_writer import ReplaySettings
 from dora.subjects import Subjects
 
 
@@ -78,6 +84,8 @@ class PipelineFile(BaseModel):
     drain_timeout_s: float = Field(default=30.0, gt=0)
     stall_timeout_s: float | None = Field(default=600.0, gt=0)
     """Fail the run when no stage makes progress for this long (None: wait forever)."""
+    replay: ReplaySettings | None = None
+    """Keep a copy of the trajectory and scored streams for services that join late."""
     stages: list[StageEntry] = Field(min_length=1)
 
 
@@ -163,6 +171,7 @@ def load_pipeline(
             stream_max_msgs=spec.stream_max_msgs,
             drain_timeout=spec.drain_timeout_s,
             stall_timeout=spec.stall_timeout_s,
+            replay=spec.replay,
         )
     except (ValueError, StageError) as exc:
         raise PipelineConfigError(f"{path}: run_id: {exc}") from exc
