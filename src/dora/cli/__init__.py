@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "schemas": "dora.cli.schemas_cmd",
     "warmstart": "dora.cli.warmstart_cmd",
     "report": "dora.cli.report_cmd",
+    "stages": "dora.cli.stages_cmd",
     "sim": "dora.cli.sim_cmd",
 }
 BENCHMARKS: dict[str, str] = {

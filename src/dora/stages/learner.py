@@ -45,7 +45,11 @@ class LearnerStageConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: ModelSource
-    learner: dict[str, Any] = Field(default_factory=dict, description="LearnerConfig fields.")
+    learner: dict[str, Any] = Field(
+        default_factory=dict,
+        description="LearnerConfig fields.",
+        json_schema_extra={"fields": "dora.learner.config:LearnerConfig"},
+    )
     eval: EvalConfig = Field(default_factory=EvalConfig)
     torch_threads: int | None = Field(default=None, ge=1)
 

@@ -35,9 +35,15 @@ class RolloutConfig(BaseModel):
     max_tokens: int = Field(default=256, ge=1)
     seed: int = 0
     max_running: int = Field(default=32, ge=1, description="Requests one engine holds.")
-    engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig fields.")
+    engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="EngineConfig fields.",
+        json_schema_extra={"fields": "dora.engines.torch.config:EngineConfig"},
+    )
     orchestrator: dict[str, Any] = Field(
-        default_factory=dict, description="OrchestratorConfig fields (dora mode)."
+        default_factory=dict,
+        description="OrchestratorConfig fields (dora mode).",
+        json_schema_extra={"fields": "dora.rollout.orchestrator:OrchestratorConfig"},
     )
     torch_threads: int | None = Field(default=1, ge=1, description="Intra-op threads per op.")
 

@@ -28,6 +28,8 @@ class VerifierStageConfig(BaseModel):
 
 
 class VerifierStage(Stage):
+    """Trajectory -> ScoredTrajectory with a ``dora.rewards`` verifier."""
+
     name = "verifier"
     consumes = "trajectories"
     emits = {ScoredTrajectory: "scored"}
