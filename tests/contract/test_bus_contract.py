@@ -279,6 +279,32 @@ async def test_request_reply_and_timeout(bus: Bus) -> None:
     never.set()
 
 
+async def test_a_service_answers_other_clients_as_soon_as_serve_returns(
+    make_bus: BusFactory,
+) -> None:
+    """serve()/subscribe() return only once the server routes to them (an engine in another
+    process is asked to drain right after it said it was ready)."""
+    server_side, client_side = make_bus(), make_bus()
+    await server_side.connect()
+    await client_side.connect()
+
+    async def echo(data: bytes) -> bytes:
+        return data
+
+    for i in range(30):
+        subject = client_side.subjects.rpc(f"late-{i}")
+        await server_side.serve(subject, echo)
+        assert await client_side.request(subject, b"%d" % i, timeout=2.0) == b"%d" % i
+        sub = await server_side.subscribe(client_side.subjects.status(f"e{i}"))
+        await client_side.publish(client_side.subjects.status(f"e{i}"), b"up")
+        async with asyncio.timeout(2.0):
+            async for msg in sub:
+                assert msg.data == b"up"
+                break
+    await client_side.close()
+    await server_side.close()
+
+
 async def test_key_value_round_trip(bus: Bus) -> None:
     assert await bus.kv_get("orchestrator") is None
     first = await bus.kv_put("orchestrator", b"v1")

