@@ -38,6 +38,10 @@ from dora.subjects import Subjects
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 
 G, B, K, STEPS = 4, 2, 2, 6
+MAX_TOKENS = 600
+"""Room for the tiny model's natural tail (up to ~350 tokens here): with a 160 cap the last
+old-version requests finished within a tick or two of the new version, and only half the runs
+left the orchestrator something to consolidate."""
 MODEL_KW: dict[str, Any] = {"num_hidden_layers": 2}
 
 
@@ -69,10 +73,11 @@ async def scorer(bus: NatsBus) -> None:
 
 
 async def test_dora_mode_invariants(nats_server: NatsServer) -> None:
-    """Every run checks every invariant; whether the orchestrator finds a consolidation worth
-    a migration depends on timing, so up to five runs may be needed to see one (on a quiet
-    machine about half the runs migrate; under load fewer, and three tries failed 1 in 7)."""
-    for attempt in range(5):
+    """Every run checks every invariant. Whether the orchestrator finds a consolidation worth a
+    migration depends on timing; with the long tail MAX_TOKENS allows, 30 of 30 runs migrated
+    (6 alone, 24 with two runs sharing the 2 cores; a 160-token cap gave 2 of 4), so a second
+    run is a safety margin, not a habit."""
+    for attempt in range(3):
         bus = NatsBus(Subjects(f"fleet{attempt}{uuid.uuid4().hex[:8]}"), nats_server.url)
         await bus.connect()
         try:
@@ -80,7 +85,7 @@ async def test_dora_mode_invariants(nats_server: NatsServer) -> None:
                 return
         finally:
             await bus.close()
-    pytest.fail("no successful KV migration in five live dora-mode runs")
+    pytest.fail("no successful KV migration in three live dora-mode runs")
 
 
 async def live_run(bus: NatsBus) -> bool:
@@ -120,7 +125,7 @@ async def live_run(bus: NatsBus) -> bool:
             group_size=G,
             batch_groups=B,
             staleness_bound=K,
-            sampling=SamplingParams(temperature=1.0, max_tokens=160),
+            sampling=SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS),
         ),
         generator=GeneratorConfig(engine_id="_", max_running=8, status_interval_s=0.1),
         orchestrator=OrchestratorServiceConfig(tick_s=0.1, policy=policy),
