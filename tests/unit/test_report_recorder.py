@@ -52,3 +52,100 @@ async def test_status_thinned_per_engine_but_changes_kept(tmp_path: Path) -> Non
     (rejected,) = _lines(tmp_path / "events" / "rejected.jsonl")
     assert rejected["payload"] == "[1, 2]" and rejected["subject"] == bus.subjects.weights
     assert not (tmp_path / "events" / "weights.jsonl").exists()
+
+
+def _valid_events() -> dict[str, events.Event]:
+    prompt = events.Prompt(prompt_id="p", text="1+1=", answer="2")
+    request = events.RolloutRequest(
+        request_id="r", prompt=prompt, group_id="g", group_index=0, group_size=1, version=1
+    )
+    trajectory = events.Trajectory(
+        request=request,
+        version=1,
+        prompt_token_ids=(1, 2),
+        completion_token_ids=(3,),
+        logprobs=(-0.5,),
+        loss_mask=(1,),
+        finish_reason="stop",
+        engines=("e0",),
+    )
+    return {
+        "trajectories": trajectory,
+        "scored": events.ScoredTrajectory(trajectory=trajectory, reward=1.0, correct=True),
+        "migrations": events.MigrationRecord(
+            request_id="r", source="e0", target="e1", version=1, ok=True
+        ),
+        "metrics": events.Metrics(step=1, values={"reward/mean": 0.5}),
+        "weights": events.WeightVersion(
+            version=1, blob=events.BlobRef(name="w1", size=3), checksum="abc", step=0
+        ),
+        "deadletter": events.DeadLetter(subject="x", payload="{", reason="not JSON"),
+        "status": events.EngineStatus(engine_id="e0", version=1, state="serving"),
+    }
+
+
+def _subject(bus: MemoryBus, family: str) -> str:
+    return bus.subjects.status("e0") if family == "status" else getattr(bus.subjects, family)
+
+
+def _hostile(valid: events.Event) -> list[tuple[bytes, str]]:
+    """Payloads that are not valid events of ``valid``'s type, and what the reason must say."""
+    body = json.loads(valid.model_dump_json())
+    deep = b'{"event_id":"deep","values":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    return [
+        (b"{oops", "Invalid JSON"),
+        (b'{"event_id": "\xff\xfe"}', "Invalid JSON"),
+        (b"[1, 2]", "Input should be an object"),
+        (json.dumps({**body, "schema_version": 99}).encode(), "schema_version"),
+        (json.dumps({**body, "forged": True}).encode(), "forged: Extra inputs"),
+        (json.dumps({**body, "created_at": "yesterday"}).encode(), "created_at"),
+        (json.dumps({"event_id": "empty"}).encode(), "Field required"),
+        (deep, "invalid"),
+    ]
+
+
+async def test_recorder_keeps_only_valid_events_and_says_why_it_refused_the_rest(
+    tmp_path: Path,
+) -> None:
+    """Forged, malformed and hostile payloads on every recorded subject end in rejected.jsonl
+    with a reason; events/ holds only lines that parse back into their wire type, and the run
+    reads without problems."""
+    from dora.contract import FAMILY_EVENTS
+    from dora.report import load_run
+
+    bus = MemoryBus(Subjects("unit"))
+    await bus.connect()
+    valid = _valid_events()
+    expected_reasons: list[str] = []
+    recorder = RunRecorder(bus, tmp_path, status_interval_s=0.0, ledger=False)
+    async with recorder:
+        for family, event in valid.items():
+            subject = _subject(bus, family)
+            for n, (payload, reason) in enumerate(_hostile(event)):
+                await bus.publish(subject, payload, msg_id=f"{family}-bad-{n}")
+                expected_reasons.append(reason)
+            await bus.publish_event(subject, event)
+        for _ in range(2000):  # status is live: handed over by the broker's queue
+            if recorder.stats.written.get("status", 0) + recorder.stats.rejected >= 8 * 7 + 1:
+                break
+            await asyncio.sleep(0.001)
+    await bus.close()
+
+    events_dir = tmp_path / "events"
+    for family, event in valid.items():
+        lines = (events_dir / f"{family}.jsonl").read_text().splitlines()
+        assert [FAMILY_EVENTS[family].model_validate_json(x) for x in lines] == [event], family
+    rejected = _lines(events_dir / "rejected.jsonl")
+    assert len(rejected) == len(expected_reasons) == recorder.stats.rejected
+    by_subject: dict[str, list[str]] = {}
+    for record in rejected:
+        by_subject.setdefault(str(record["subject"]), []).append(str(record["reason"]))
+    for family, event in valid.items():
+        subject = _subject(bus, family)
+        reasons = by_subject[subject]
+        model = type(event).__name__
+        assert all(r.startswith(f"invalid {model}") for r in reasons), reasons
+        for reason, expected in zip(reasons, (e for _, e in _hostile(event)), strict=True):
+            assert expected in reason, (family, reason)
+    assert all(len(str(r["payload"])) <= 4096 for r in rejected)
+    assert load_run(tmp_path).problems == []
