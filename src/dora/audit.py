@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from dora.bus.base import Bus, Consumer, ConsumerSpec, Message, Subscription
 from dora.contract import FAMILY_EVENTS
 from dora.events import EngineStatus, Event, Ledger
-from dora.stage.deadletter import validation_reason
+from dora.stage.deadletter import build_dead_letter, validation_reason
 
 log = structlog.get_logger(__name__)
 
@@ -73,6 +73,10 @@ class RecorderStats:
     status_thinned: int = 0
     status_dropped: int = 0
 
+
+RECORDER_ONLY = ("migrations", "deadletter")
+"""Families no other stage reads: the recorder dead-letters what it refuses there (elsewhere
+the consuming stage does, and one bad message leaves one dead letter)."""
 
 REJECTED_PAYLOAD_MAX = 4096
 """Bytes of a rejected payload kept in ``rejected.jsonl`` (its size is recorded in full)."""
@@ -266,10 +270,11 @@ class RunRecorder:
             recent.popitem(last=False)
         return False
 
-    def _write(self, stem: str, msg: Message) -> None:
+    def _write(self, stem: str, msg: Message) -> str:
+        """Write ``msg`` to its file, or to ``rejected.jsonl`` and return the reason."""
         if self._seen(stem, msg):
             self.stats.redelivered += 1
-            return
+            return ""
         line, reason = _as_line(stem, msg.data)
         if line is None:
             self.stats.rejected += 1
@@ -281,9 +286,10 @@ class RunRecorder:
                 "payload": msg.data[:REJECTED_PAYLOAD_MAX].decode("utf-8", errors="replace"),
             }
             self._file(REJECTED_FILE).write(json.dumps(record).encode() + b"\n")
-            return
+            return reason
         self._file(stem).write(line + b"\n")
         self.stats.written[stem] = self.stats.written.get(stem, 0) + 1
+        return ""
 
     def _flush(self, *stems: str) -> None:
         for stem in (*stems, REJECTED_FILE):
@@ -300,9 +306,12 @@ class RunRecorder:
                 deadline = time.monotonic() + self.drain_timeout_s
             timeout = 0.2 if deadline is not None else self.flush_interval_s
             msgs = await consumer.fetch(self.batch, timeout=timeout)
-            for msg in msgs:
-                self._write(family, msg)
+            refused = [(msg, reason) for msg in msgs if (reason := self._write(family, msg))]
             self._flush(family)
+            if family in RECORDER_ONLY:  # no other stage reads it, so none dead-letters it
+                for msg, reason in refused:
+                    letter = await build_dead_letter(self.bus, msg, "recorder", reason)
+                    await self.bus.publish_event(self.bus.subjects.deadletter, letter)
             for msg in msgs:
                 await msg.ack()
             if deadline is None:

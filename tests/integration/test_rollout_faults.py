@@ -50,6 +50,7 @@ from dora.rollout.migrator import Migrator
 from dora.rollout.orchestrator import OrchestratorConfig
 from dora.rollout.orchestrator_service import OrchestratorService, OrchestratorServiceConfig
 from dora.subjects import Subjects
+from dora.versions import announce
 from tests.fakes import FakeEngine, fake_request
 
 pytestmark = pytest.mark.nats
@@ -197,7 +198,7 @@ async def fleet_run(
             checksum="",
             step=version - 1,
         )
-        await bus.publish_event(s.weights, event)
+        await announce(bus, event)
 
     policy = OrchestratorConfig(assign_cooldown_s=0.0, weight_load_s=0.0)
     config = FleetConfig(

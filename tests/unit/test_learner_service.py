@@ -127,9 +127,13 @@ async def test_bad_and_too_stale_samples_are_dead_lettered(mbus: MemoryBus, tmp_
     await mbus.publish(mbus.subjects.scored, b"not json")
     bad = make_scored(group_id="x", group_index=0, group_size=2, logprobs=[0.0])
     await mbus.publish_event(mbus.subjects.scored, bad)
+    future = make_scored(group_id="f", group_index=0, group_size=1, version=7)
+    await mbus.publish_event(mbus.subjects.scored, future)  # v7 was never published
     await publish_group(mbus, "g0", version=0)
     while not service.history:
         await asyncio.sleep(0.01)
+    again = make_scored(group_id="g0", group_index=0, group_size=2)
+    await mbus.publish_event(mbus.subjects.scored, again.model_copy(update={"event_id": "again"}))
     await publish_group(mbus, "late", version=0)  # step 1 now: staleness 1 > K = 0
     await publish_group(mbus, "g1", version=1)
     await asyncio.wait_for(task, 60)
@@ -138,12 +142,14 @@ async def test_bad_and_too_stale_samples_are_dead_lettered(mbus: MemoryBus, tmp_
     ]
     reasons = sorted(d.reason.split(":")[0] for d in letters)
     assert reasons == [
+        "duplicate",
+        "invalid ScoredTrajectory",
         "invalid trajectory",
         "too stale",
         "too stale",
-        "unparseable ScoredTrajectory",
+        "unknown version",
     ]
-    assert "logprobs" in next(d.reason for d in letters if d.reason.startswith("invalid"))
+    assert "logprobs" in next(d.reason for d in letters if d.reason.startswith("invalid traj"))
     trained = [rid for _, ids in service.history for rid in ids]
     assert not any(rid.startswith("late") for rid in trained)
     assert service.buffer.refused == {"late"}

@@ -66,6 +66,7 @@ from dora.rollout.orchestrator import OrchestratorConfig
 from dora.rollout.orchestrator_service import OrchestratorService, OrchestratorServiceConfig
 from dora.sim import SimConfig
 from dora.subjects import Subjects
+from dora.versions import announce
 
 log = structlog.get_logger(__name__)
 
@@ -221,7 +222,7 @@ async def publish_weights(bus: Bus, version: int) -> None:
         checksum=hashlib.sha256(name.encode()).hexdigest(),
         step=max(version - 1, 0),
     )
-    await bus.publish_event(bus.subjects.weights, event)
+    await announce(bus, event)
 
 
 @dataclass

@@ -3,14 +3,14 @@
 Every valid message is *held* (not acked) once its sample is in the group buffer: it is acked
 only when a checkpoint covers it, so a crash redelivers exactly what was not saved. The
 heartbeat keeps held messages from being redelivered meanwhile. Nothing is dropped silently:
-an unparseable or malformed message, and every sample of a group refused as too stale, goes
-to the dead-letter subject with the reason.
+an unparseable or malformed message, a sample naming a version never published, a second
+sample claiming a request already received, and every sample of a group refused as too stale
+go to the dead-letter subject with the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import time
 
 import structlog
@@ -18,8 +18,9 @@ from pydantic import ValidationError
 
 from dora.bus.base import Message
 from dora.events import DeadLetter, Ledger, ScoredTrajectory
-from dora.learner.batching import AddOutcome, InvalidTrajectory
+from dora.learner.batching import AddOutcome, InvalidTrajectory, sample_version
 from dora.learner.service_base import LearnerBase
+from dora.stage.deadletter import build_dead_letter, validation_reason
 
 log = structlog.get_logger("dora.learner.service")
 
@@ -34,14 +35,31 @@ class ScoredIntake(LearnerBase):
         try:
             scored = ScoredTrajectory.model_validate_json(msg.data)
         except ValidationError as exc:
-            await self._dead_letter(msg, f"unparseable ScoredTrajectory: {exc}", term=True)
+            await self._dead_letter(msg, validation_reason(ScoredTrajectory, exc))
+            return
+        except RecursionError:
+            await self._dead_letter(msg, "invalid ScoredTrajectory: nested too deeply")
+            return
+        version = sample_version(scored)
+        if version > self.step:  # this learner has published versions 0..step
+            await self._dead_letter(
+                msg, f"unknown version: sampled by v{version}, newest published v{self.step}"
+            )
             return
         try:
             outcome = self.buffer.add(scored, step=self.step)
         except InvalidTrajectory as exc:
-            await self._dead_letter(msg, f"invalid trajectory: {exc}", term=True)
+            await self._dead_letter(msg, f"invalid trajectory: {exc}")
             return
-        self._held.append(msg)  # acked once a checkpoint covers it (even duplicates)
+        if outcome is AddOutcome.DUPLICATE and msg.num_delivered <= 1:
+            # A redelivery (num_delivered > 1) is expected after a crash; a first delivery of
+            # a sample already received is a second event claiming the same request.
+            request = scored.trajectory.request
+            await self._dead_letter(
+                msg, f"duplicate: a sample of request {request.request_id!r} was already received"
+            )
+            return
+        self._held.append(msg)  # acked once a checkpoint covers it (even redeliveries)
         if outcome is AddOutcome.REFUSED:
             await self._dead_letter_refused()
 
@@ -63,24 +81,12 @@ class ScoredIntake(LearnerBase):
                 )
                 await self.bus.publish_event(self.bus.subjects.deadletter, event)
 
-    async def _dead_letter(self, msg: Message, reason: str, *, term: bool) -> None:
+    async def _dead_letter(self, msg: Message, reason: str) -> None:
+        """Keep a sample the learner will never train on, with the reason; never redeliver it."""
         log.error("learner_dead_letter", reason=reason[:300], subject=msg.subject)
-        try:
-            payload = msg.data.decode("utf-8")
-            encoding = "utf-8"
-        except UnicodeDecodeError:
-            payload, encoding = base64.b64encode(msg.data).decode(), "base64"
-        event = DeadLetter(
-            subject=msg.subject,
-            payload=payload,
-            payload_encoding=encoding,  # type: ignore[arg-type]
-            reason=reason,
-            stage="learner",
-            deliveries=msg.num_delivered,
-        )
-        await self.bus.publish_event(self.bus.subjects.deadletter, event)
-        if term:
-            await msg.term()
+        letter = await build_dead_letter(self.bus, msg, "learner", reason)
+        await self.bus.publish_event(self.bus.subjects.deadletter, letter)
+        await msg.term()
 
     async def _heartbeat(self) -> None:
         """Keep held messages from being redelivered while they wait for a checkpoint."""

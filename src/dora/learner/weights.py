@@ -30,14 +30,9 @@ from torch import Tensor
 from dora.bus.base import Bus
 from dora.events import BlobRef, WeightVersion
 from dora.models import LlamaModel, hf_state_dict
+from dora.versions import LATEST_KEY, announce, version_key
 
 log = structlog.get_logger(__name__)
-
-LATEST_KEY = "weights.latest"
-
-
-def version_key(version: int) -> str:
-    return f"weights.v{int(version)}"
 
 
 class WeightError(Exception):
@@ -161,10 +156,7 @@ class WeightPublisher:
             values["weights/step_end_at"] = step_end
             values["weights/publish_s"] = time.time() - step_end
         event = WeightVersion(version=version, blob=ref, checksum=digest, step=step, metrics=values)
-        payload = event.model_dump_json().encode()
-        await self.bus.kv_put(version_key(version), payload)
-        await self.bus.kv_put(LATEST_KEY, payload)
-        await self.bus.publish_event(self.bus.subjects.weights, event)
+        await announce(self.bus, event)
         log.info("weights_published", version=version, bytes=len(data), sha256=digest[:12])
         self._published.append(event)
         await self._prune()

@@ -31,6 +31,8 @@ from dora.bus import Bus, Subscription
 from dora.events import AssignVersion, EngineStatus, Event, WeightVersion
 from dora.rollout.generator import QUEUE_ACK_WAIT_S
 from dora.rollout.orchestrator_service import QueueDepths
+from dora.rollout.status_parse import parse_status
+from dora.versions import check_published
 
 log = structlog.get_logger(__name__)
 
@@ -84,15 +86,19 @@ class BaselineController:
 
     async def _watch_status(self, sub: Subscription) -> None:
         async for msg in sub:
-            with contextlib.suppress(ValueError):
-                status = EngineStatus.model_validate_json(msg.data)
+            status = await parse_status(self.bus, msg, "controller")
+            if status is not None:
                 self.status[status.engine_id] = status
                 self.seen[status.engine_id] = time.monotonic()
 
     async def _watch_weights(self, sub: Subscription) -> None:
+        """Newest version announced; the dispatcher dead-letters what is not a real one."""
         async for msg in sub:
             with contextlib.suppress(ValueError):
-                self.newest = max(self.newest, WeightVersion.model_validate_json(msg.data).version)
+                version = WeightVersion.model_validate_json(msg.data).version
+                if version > self.newest:
+                    await check_published(self.bus, version, "WeightVersion.version")
+                    self.newest = version
 
     async def tick(self) -> None:
         now = time.monotonic()

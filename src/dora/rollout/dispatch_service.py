@@ -28,7 +28,6 @@ from pydantic import ValidationError
 from dora.aio import cancel_all
 from dora.bus import Bus, ConsumerSpec, Message, Subscription
 from dora.events import (
-    DeadLetter,
     EngineStatus,
     Metrics,
     Prompt,
@@ -39,6 +38,7 @@ from dora.events import (
 from dora.rollout.dispatcher import Dispatcher, Tokenize
 from dora.rollout.dispatcher_snapshot import SNAPSHOT_KEY, DispatcherSnapshot
 from dora.stage.deadletter import build_dead_letter, validation_reason
+from dora.versions import check_published
 
 log = structlog.get_logger(__name__)
 
@@ -153,8 +153,11 @@ class DispatchService:
     async def _dispatch(self, msg: Message) -> None:
         try:
             prompt = Prompt.model_validate_json(msg.data)
-        except ValueError as exc:
-            await self._dead_letter(msg, f"invalid Prompt: {exc}")
+        except ValidationError as exc:
+            await self._dead_letter(msg, validation_reason(Prompt, exc))
+            return
+        except RecursionError:
+            await self._dead_letter(msg, "invalid Prompt: nested too deeply")
             return
         if self.dispatcher.admitted_before(prompt):  # admitted, then crashed before the ack
             await msg.ack()
@@ -187,13 +190,7 @@ class DispatchService:
         self.dispatcher.mark_published()
 
     async def _dead_letter(self, msg: Message, reason: str) -> None:
-        letter = DeadLetter(
-            subject=msg.subject,
-            payload=msg.data.decode("utf-8", errors="replace"),
-            reason=reason,
-            stage="dispatcher",
-            deliveries=msg.num_delivered,
-        )
+        letter = await build_dead_letter(self.bus, msg, "dispatcher", reason)
         await self.bus.publish_event(self.bus.subjects.deadletter, letter)
         await msg.term()
 
@@ -224,9 +221,11 @@ class DispatchService:
             async with self._lock:
                 for msg in msgs:
                     try:
-                        handle(msg.data)  # type: ignore[operator]
+                        await handle(msg.data)  # type: ignore[operator]
                     except ValidationError as exc:
                         rejected.append((msg, validation_reason(model, exc)))
+                    except RecursionError:
+                        rejected.append((msg, f"invalid {model.__name__}: nested too deeply"))
                     except (ValueError, KeyError) as exc:
                         rejected.append((msg, f"{type(exc).__name__}: {exc}"))
             await self._write_ledger()
@@ -238,21 +237,26 @@ class DispatchService:
                 await msg.ack()
             self._changed.set()
 
-    def _on_scored(self, data: bytes) -> None:
+    async def _on_scored(self, data: bytes) -> None:
         scored = ScoredTrajectory.model_validate_json(data)
         request = scored.trajectory.request
-        self.dispatcher.on_finished(request.request_id, request.group_id)
+        self.dispatcher.on_finished(request.request_id, request.group_id, request.dispatch_version)
 
-    def _on_metrics(self, data: bytes) -> None:
+    async def _on_metrics(self, data: bytes) -> None:
         metrics = Metrics.model_validate_json(data)
         taken = metrics.step + 1  # Metrics.step is the index of the step just taken
+        if taken > self.dispatcher.newest_version + 1:  # its weights are announced first
+            await check_published(self.bus, taken, "Metrics.step + 1")
         if metrics.consumed_groups:
             self.dispatcher.on_consumed(metrics.consumed_groups, learner_step=taken)
         else:
             self.dispatcher.observe_learner_step(taken)
 
-    def _on_weights(self, data: bytes) -> None:
-        self.dispatcher.observe_weights(WeightVersion.model_validate_json(data).version)
+    async def _on_weights(self, data: bytes) -> None:
+        version = WeightVersion.model_validate_json(data).version
+        if version > self.dispatcher.newest_version:
+            await check_published(self.bus, version, "WeightVersion.version")
+        self.dispatcher.observe_weights(version)
 
 
 __all__ = ["LEDGER_KEY", "DispatchService", "Tokenize", "request_event_id"]

@@ -270,11 +270,14 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ completion
 
-    def on_finished(self, request_id: str, group_id: str | None = None) -> bool:
+    def on_finished(
+        self, request_id: str, group_id: str | None = None, version: int | None = None
+    ) -> bool:
         """A sample is finished (scored). True when that completes its group.
 
         ``scored`` and the learner's consumption report travel on different subjects, so the
-        report may arrive first: a sample of a group consumed already is a no-op.
+        report may arrive first: a sample of a group consumed already is a no-op. A sample
+        naming another ``version`` than its request was admitted under raises ``ValueError``.
         """
         gid = self._group_of.get(request_id)
         if gid is None and group_id is not None and group_id in self._consumed:
@@ -282,6 +285,11 @@ class Dispatcher:
         if gid is None:
             raise KeyError(f"request_id {request_id!r} was not dispatched here")
         group = self._groups[gid]
+        if version is not None and version != group.version:
+            raise ValueError(
+                f"request version {version}: request {request_id!r} was admitted under "
+                f"v{group.version}"
+            )
         if group.finished or request_id in group.done:
             return False
         group.done.add(request_id)
@@ -292,12 +300,17 @@ class Dispatcher:
         return False
 
     def on_consumed(self, group_ids: Iterable[str], learner_step: int | None = None) -> None:
-        """The learner trained on these groups (at ``learner_step - 1``, if given)."""
+        """The learner trained on these groups (at ``learner_step - 1``, if given).
+
+        Raises ``KeyError`` (and changes nothing) if any group was never dispatched here.
+        """
+        group_ids = list(group_ids)
+        unknown = [g for g in group_ids if g not in self._groups and g not in self._consumed]
+        if unknown:
+            raise KeyError(f"group_id {unknown[0]!r} was not dispatched here")
         for gid in group_ids:
             group = self._groups.get(gid)
-            if group is None:
-                raise KeyError(f"group_id {gid!r} was not dispatched here")
-            if group.consumed:
+            if group is None or group.consumed:
                 continue
             group.consumed = True
             counts = self.ledger_state.counts(group.version)

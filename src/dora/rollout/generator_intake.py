@@ -15,10 +15,11 @@ from pydantic import ValidationError
 
 from dora.bus import Message
 from dora.engines.base import EngineError
-from dora.events import DeadLetter, RolloutRequest
+from dora.events import RolloutRequest
 from dora.rollout.generator_base import GeneratorBase, Held
 from dora.rollout.generator_config import request_queue_spec
 from dora.rollout.partial import retag
+from dora.stage.deadletter import build_dead_letter, validation_reason
 
 
 class RequestIntake(GeneratorBase):
@@ -109,19 +110,21 @@ class RequestIntake(GeneratorBase):
             if queue is not None:
                 request = retag(request, version)
             await self._call(self.engine.add_request, request)
-        except (ValidationError, EngineError) as exc:
+        except ValidationError as exc:
+            await self._dead_letter(msg, validation_reason(RolloutRequest, exc))
+            return
+        except RecursionError:
+            await self._dead_letter(msg, "invalid RolloutRequest: nested too deeply")
+            return
+        except EngineError as exc:
             await self._dead_letter(msg, f"{type(exc).__name__}: {exc}")
             return
         self._held[request.request_id] = Held(msg)
         self.stats.pulled += 1
 
     async def _dead_letter(self, msg: Message, reason: str) -> None:
-        letter = DeadLetter(
-            subject=msg.subject,
-            payload=msg.data.decode("utf-8", errors="replace"),
-            reason=reason,
-            stage=f"generator:{self.config.engine_id}",
-            deliveries=msg.num_delivered,
+        letter = await build_dead_letter(
+            self.bus, msg, f"generator:{self.config.engine_id}", reason
         )
         await self.bus.publish_event(self.subjects.deadletter, letter)
         await msg.term()

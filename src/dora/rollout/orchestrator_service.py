@@ -36,6 +36,7 @@ from dora.rollout.generator import QUEUE_ACK_WAIT_S, request_queue_spec
 from dora.rollout.migrator import Migrator
 from dora.rollout.orchestrator import DEFAULT_CONFIG, OrchestratorConfig, plan
 from dora.rollout.state import ClusterState, EngineView
+from dora.rollout.status_parse import parse_status
 
 log = structlog.get_logger(__name__)
 
@@ -152,12 +153,9 @@ class OrchestratorService:
 
     async def _watch_status(self, sub: Subscription) -> None:
         async for msg in sub:
-            try:
-                status = EngineStatus.model_validate_json(msg.data)
-            except ValueError as exc:
-                log.warning("bad_status", error=str(exc))
-                continue
-            self.status[status.engine_id] = (status, time.monotonic())
+            status = await parse_status(self.bus, msg, "orchestrator")
+            if status is not None:
+                self.status[status.engine_id] = (status, time.monotonic())
 
     async def _watch_lengths(self, consumer: object) -> None:
         while True:

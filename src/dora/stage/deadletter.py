@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import uuid
 
 from pydantic import ValidationError
 
@@ -40,9 +41,15 @@ def _encode(data: bytes) -> tuple[str, str]:
 
 
 async def build_dead_letter(bus: Bus, msg: Message, stage: str, reason: str) -> DeadLetter:
-    """A DeadLetter for ``msg`` whose id depends only on the message, so re-sending dedupes."""
+    """A DeadLetter for ``msg`` whose id depends only on the message, so re-sending dedupes.
+
+    A core-NATS message (``status``) has no stream sequence: its dead letter gets a fresh id.
+    """
     data = msg.data
-    event_id = derived_id("deadletter", stage, msg.subject, msg.stream_seq, msg.msg_id or "")
+    if msg.stream_seq or msg.msg_id:
+        event_id = derived_id("deadletter", stage, msg.subject, msg.stream_seq, msg.msg_id or "")
+    else:
+        event_id = uuid.uuid4().hex
     if len(data) > INLINE_PAYLOAD_MAX:
         blob = f"deadletter-{stage}-{event_id}"
         try:

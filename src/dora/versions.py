@@ -1,0 +1,39 @@
+"""Which policy versions exist: the KV record written before a version is announced.
+
+The learner records every ``WeightVersion`` in the KV store (``weights.v<N>``, and
+``weights.latest``) before it publishes the event on ``subjects.weights``, so a late engine
+can find any version and an observer can tell a real announcement from a message that names
+a version nobody published (a forged or corrupted event that would otherwise make the
+dispatcher believe the learner is hundreds of steps ahead and refuse every group as stale).
+"""
+
+from __future__ import annotations
+
+from dora.bus.base import Bus
+from dora.events import WeightVersion
+
+LATEST_KEY = "weights.latest"
+
+
+def version_key(version: int) -> str:
+    return f"weights.v{int(version)}"
+
+
+class UnknownVersion(ValueError):
+    """An event names a policy version that was never published."""
+
+
+async def announce(bus: Bus, event: WeightVersion) -> None:
+    """Record ``event`` in the KV store, then publish it (the order observers rely on)."""
+    payload = event.model_dump_json().encode()
+    await bus.kv_put(version_key(event.version), payload)
+    await bus.kv_put(LATEST_KEY, payload)
+    await bus.publish_event(bus.subjects.weights, event)
+
+
+async def check_published(bus: Bus, version: int, what: str) -> None:
+    """Raise ``UnknownVersion`` unless ``version`` has a KV record (``what`` names the
+    reference, e.g. ``"WeightVersion.version"``). Observers call it only for versions newer
+    than the newest they know, so the common case costs no lookup."""
+    if await bus.kv_get(version_key(version)) is None:
+        raise UnknownVersion(f"{what} {version}: no policy version {version} was published")
