@@ -4,8 +4,9 @@ Why a recorder and not just the streams: streams are trimmed (work and interest 
 delete what was consumed) and live subjects (engine status) are never stored, yet a report
 after the run needs all of it. The recorder is one more durable consumer (``recorder``) on the
 durable families, plus a live subscription to ``status.*``; it appends each payload that is a
-valid event of its family to ``events/<family>.jsonl`` (anything else goes to
-``events/rejected.jsonl`` with the reason) and acks only what it has written. A crash means
+valid event of its family to ``events/<family>.jsonl`` (anything else, and an event naming a
+version never published or a second result of one request (``dora.reference_check``), goes
+to ``events/rejected.jsonl`` with the reason) and acks only what it has written. A crash means
 redelivery of what it had not acked: it skips an event id it wrote within the last ack window
 (seeded from the file's tail on restart), and on stop it waits (up to ``drain_timeout_s``) for
 messages still owed to it by a crashed predecessor, so a resumed run's record holds every event
@@ -33,6 +34,7 @@ from pydantic import ValidationError
 from dora.bus.base import Bus, Consumer, ConsumerSpec, Message, Subscription
 from dora.contract import FAMILY_EVENTS
 from dora.events import EngineStatus, Event, Ledger
+from dora.reference_check import ReferenceCheck
 from dora.stage.deadletter import build_dead_letter, validation_reason
 
 log = structlog.get_logger(__name__)
@@ -82,7 +84,7 @@ REJECTED_PAYLOAD_MAX = 4096
 """Bytes of a rejected payload kept in ``rejected.jsonl`` (its size is recorded in full)."""
 
 
-def _as_line(stem: str, data: bytes) -> tuple[bytes | None, str]:
+def _as_line(stem: str, data: bytes) -> tuple[bytes | None, str, Event | None]:
     """The payload as one JSON line if it is a valid event for ``events/<stem>.jsonl``, else
     the reason.
 
@@ -93,17 +95,17 @@ def _as_line(stem: str, data: bytes) -> tuple[bytes | None, str]:
     """
     model = STEM_MODEL.get(stem)
     if model is None:
-        return None, f"no event type for {stem!r}"
+        return None, f"no event type for {stem!r}", None
     try:
         event = model.model_validate_json(data)
     except ValidationError as exc:
-        return None, validation_reason(model, exc)
+        return None, validation_reason(model, exc), None
     except RecursionError:
-        return None, f"invalid {model.__name__}: nested too deeply"
+        return None, f"invalid {model.__name__}: nested too deeply", None
     body = data.strip()
     if b"\n" in body or b"\r" in body:  # pretty-printed: one line per event
         body = event.model_dump_json().encode()
-    return body, ""
+    return body, "", event
 
 
 def _tail_ids(path: Path, count: int) -> OrderedDict[str, None]:
@@ -169,6 +171,7 @@ class RunRecorder:
         self._started = False
         self._window = max(self.batch * 4, 1024)  # the consumer's max_ack_pending
         self._recent: dict[str, OrderedDict[str, None]] = {}
+        self._references = ReferenceCheck(bus)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -270,12 +273,15 @@ class RunRecorder:
             recent.popitem(last=False)
         return False
 
-    def _write(self, stem: str, msg: Message) -> str:
+    async def _write(self, stem: str, msg: Message) -> str:
         """Write ``msg`` to its file, or to ``rejected.jsonl`` and return the reason."""
         if self._seen(stem, msg):
             self.stats.redelivered += 1
             return ""
-        line, reason = _as_line(stem, msg.data)
+        line, reason, event = _as_line(stem, msg.data)
+        if event is not None and stem != STATUS_FILE:
+            reason = await self._references.refusal(stem, event)
+            line = None if reason else line
         if line is None:
             self.stats.rejected += 1
             log.warning("recorder_rejected", subject=msg.subject, reason=reason[:300])
@@ -306,7 +312,7 @@ class RunRecorder:
                 deadline = time.monotonic() + self.drain_timeout_s
             timeout = 0.2 if deadline is not None else self.flush_interval_s
             msgs = await consumer.fetch(self.batch, timeout=timeout)
-            refused = [(msg, reason) for msg in msgs if (reason := self._write(family, msg))]
+            refused = [(msg, reason) for msg in msgs if (reason := await self._write(family, msg))]
             self._flush(family)
             if family in RECORDER_ONLY:  # no other stage reads it, so none dead-letters it
                 for msg, reason in refused:
@@ -359,7 +365,7 @@ class RunRecorder:
             with contextlib.suppress(TimeoutError):
                 msg = await asyncio.wait_for(self._status_q.get(), self.flush_interval_s)
                 if self._keep_status(msg, time.monotonic()):
-                    self._write(STATUS_FILE, msg)
+                    await self._write(STATUS_FILE, msg)
                 else:
                     self.stats.status_thinned += 1
             if time.monotonic() - last_flush >= self.flush_interval_s:
@@ -380,7 +386,7 @@ class RunRecorder:
                 raw = None
             if raw is not None and raw != last:
                 last = raw
-                line, reason = _as_line(LEDGER_FILE, raw)
+                line, reason, _ = _as_line(LEDGER_FILE, raw)
                 if line is None:
                     log.warning("recorder_ledger_rejected", reason=reason)
                 else:
