@@ -223,3 +223,22 @@ async def test_partial_mode_resubmits_under_new_version(nats_bus: NatsBus) -> No
     assert traj.token_versions == (0,) * 5 + (1,) * 4
     assert traj.reprefilled_tokens == 5
     assert gen.engine.loads == [0, 1]
+
+
+async def test_a_request_redelivered_while_still_generating_is_kept_not_rerun(
+    nats_bus: NatsBus,
+) -> None:
+    """A lapsed lease (heartbeats that could not reach the server, as in a NATS outage) makes
+    the queue redeliver a request this generator still runs: it takes the new delivery as the
+    lease and generates the request once, instead of dead-lettering it as a duplicate."""
+    dead = await nats_bus.consumer(ConsumerSpec("dl", nats_bus.subjects.deadletter))
+    gen = generator(nats_bus, "e0", queue_ack_wait_s=0.5)
+    gen._heartbeat = asyncio.Event().wait  # type: ignore[method-assign]  # no beat gets through
+    gen.engine.freeze_at = 3  # mid-way, until the lease has lapsed twice
+    await nats_bus.publish_event(nats_bus.subjects.requests(0), request(1))
+    async with running(gen):
+        await until(lambda: gen.stats.rebound >= 2)
+        gen.engine.freeze_at = None
+        (got,) = await collect(nats_bus, 1)
+    assert got.request.request_id == "r1" and gen.stats.pulled == 1
+    assert await dead.fetch(batch=5, timeout=0.3) == []

@@ -44,6 +44,7 @@ from dora.bus.base import (
     StreamState,
     Subscription,
 )
+from dora.bus.outage import TRANSIENT, Outage, outage_s_from_env
 from dora.events import BlobRef
 from dora.subjects import Subjects
 
@@ -127,16 +128,24 @@ class _NatsLease(Message):
 
 class _NatsConsumer(Consumer):
     def __init__(
-        self, spec: ConsumerSpec, sub: JetStreamContext.PullSubscription, nc: Client
+        self,
+        spec: ConsumerSpec,
+        sub: JetStreamContext.PullSubscription,
+        nc: Client,
+        outage: Outage,
     ) -> None:
         self.spec = spec
         self._sub = sub
         self._nc = nc
+        self._outage = outage
 
     async def fetch(self, batch: int = 1, timeout: float = 1.0) -> list[Message]:
         try:
             msgs = await self._sub.fetch(batch, timeout=max(timeout, 0.01))
         except TimeoutError:  # nats.errors.TimeoutError, or the builtin from some fetch paths
+            return []  # nothing to fetch (or no server: the other calls tell)
+        except TRANSIENT as exc:
+            await self._outage.wait("fetch", exc, min(timeout, 1.0))
             return []
         return [_NatsMessage(m, durable=True) for m in msgs]
 
@@ -155,8 +164,11 @@ class _NatsConsumer(Consumer):
         return released
 
     async def state(self) -> ConsumerState:
-        await self._nc.flush()  # let the server see our acks sent so far
-        info = await self._sub.consumer_info()
+        async def ask() -> api.ConsumerInfo:
+            await self._nc.flush()  # let the server see our acks sent so far
+            return await self._sub.consumer_info()
+
+        info = await self._outage.call("consumer info", ask)
         return ConsumerState(
             pending=info.num_pending or 0,
             ack_pending=info.num_ack_pending or 0,
@@ -195,15 +207,20 @@ class NatsBus(Bus):
         *,
         create_streams: bool = True,
         reconnect_attempts: int = -1,
+        outage_s: float | None = None,
     ) -> None:
         """``create_streams=False`` for observers (``dora tail``) of a run started elsewhere:
         they must not create or reconfigure its streams. ``reconnect_attempts`` (-1: forever,
         every 0.2 s) bounds how long a client waits for a server that went away before its
-        calls fail with ``nats.errors.ConnectionClosedError``."""
+        calls fail with ``nats.errors.ConnectionClosedError``. ``outage_s`` (default
+        ``DORA_NATS_OUTAGE_S`` or 120): how long calls retry a server that is away before they
+        raise ``BusUnavailable`` (``dora.bus.outage``)."""
         super().__init__(subjects, streams)
         self.url = url
         self.create_streams = create_streams
         self.reconnect_attempts = reconnect_attempts
+        self.outage = Outage(url, outage_s_from_env() if outage_s is None else outage_s)
+        self._error_reported = False
         self._nc: Client | None = None
         self._closing = False
         self._js: JetStreamContext | None = None
@@ -241,17 +258,26 @@ class NatsBus(Bus):
             for spec in self.streams:
                 await self._ensure_stream(spec)
 
-    # one log line per event instead of nats-py's default traceback per reconnect attempt
+    # one line per outage instead of nats-py's traceback per reconnect attempt (5 a second)
     async def _on_error(self, exc: Exception) -> None:
-        log.warning("nats connection error", url=self.url, error=f"{type(exc).__name__}: {exc}")
+        error = f"{type(exc).__name__}: {exc}"
+        if self._closing or self._error_reported:
+            log.debug("nats connection error", url=self.url, error=error)
+            return
+        self._error_reported = True
+        log.warning("nats connection error", url=self.url, error=error)
 
     async def _on_disconnected(self) -> None:
         if self._closing:  # our own close(): expected, not worth a warning
             log.debug("nats disconnected", url=self.url)
-        else:
-            log.warning("nats disconnected", url=self.url)
+            return
+        self.outage.begin()
+        log.warning(
+            "nats disconnected; reconnecting", url=self.url, rides_out_s=self.outage.outage_s
+        )
 
     async def _on_reconnected(self) -> None:
+        self._error_reported = False
         log.info("nats reconnected", url=self.url)
 
     async def _ensure_stream(self, spec: StreamSpec) -> None:
@@ -282,7 +308,10 @@ class NatsBus(Bus):
                 await stop()
         self._readers.clear()
         if self._nc is not None and not self._nc.is_closed:
-            await self._nc.drain()
+            if self._nc.is_connected:
+                await self._nc.drain()
+            else:  # the server is away: nothing can be drained, close at once
+                await self._nc.close()
         self._nc = self._js = None
         self._objects = self._kv = None
 
@@ -307,14 +336,18 @@ class NatsBus(Bus):
         while True:
             try:
                 ack = await self.js.publish(subject, data, headers=hdrs or None)
+                if self.outage.since is not None:
+                    self.outage.end()
                 return PublishResult(ack.stream, ack.seq, duplicate=bool(ack.duplicate))
-            except nats.js.errors.APIError as exc:
-                if exc.err_code not in _FULL_CODES:
-                    raise
-            except nats.errors.TimeoutError:
-                if msg_id is None:
-                    raise
-                # safe to retry: the server deduplicates by msg id
+            except (*TRANSIENT, nats.js.errors.APIError) as exc:
+                full = isinstance(exc, nats.js.errors.APIError) and exc.err_code in _FULL_CODES
+                if not full:
+                    if msg_id is None or not isinstance(exc, TRANSIENT):
+                        raise
+                    # the server is away: safe to retry, it deduplicates by msg id
+                    await self.outage.wait(f"publish on {subject}", exc, delay)
+                    delay = min(delay * 2, 1.0)
+                    continue
             if deadline is not None and loop.time() >= deadline:
                 raise PublishTimeout(f"{subject}: stream stayed full for {timeout}s")
             await asyncio.sleep(delay)
@@ -331,17 +364,22 @@ class NatsBus(Bus):
             max_ack_pending=spec.max_ack_pending,
             max_waiting=512,
         )
-        sub = await self.js.pull_subscribe(
-            spec.filter_subject, durable=spec.durable, stream=stream, config=config
+        sub = await self.outage.call(
+            f"consumer {spec.durable} on {spec.filter_subject}",
+            lambda: self.js.pull_subscribe(
+                spec.filter_subject, durable=spec.durable, stream=stream, config=config
+            ),
         )
-        consumer = _NatsConsumer(spec, sub, self.nc)
+        consumer = _NatsConsumer(spec, sub, self.nc, self.outage)
         self._readers.append(consumer.close)
         return consumer
 
     async def delete_consumer(self, subject: str, durable: str) -> None:
         stream = self._stream_name(subject)
         with contextlib.suppress(nats.js.errors.NotFoundError):
-            await self.js.delete_consumer(stream, durable)
+            await self.outage.call(
+                "delete consumer", lambda: self.js.delete_consumer(stream, durable)
+            )
 
     async def subscribe(self, subject: str) -> Subscription:
         sub = _NatsSubscription(await self.nc.subscribe(subject, pending_msgs_limit=65_536))
@@ -369,7 +407,8 @@ class NatsBus(Bus):
         return name
 
     async def stream_info(self, subject: str) -> StreamState:
-        info = await self.js.stream_info(self._stream_name(subject))
+        name = self._stream_name(subject)
+        info = await self.outage.call("stream info", lambda: self.js.stream_info(name))
         state = info.state
         return StreamState(
             stream=info.config.name or "",
@@ -397,7 +436,10 @@ class NatsBus(Bus):
             seq = 1 if start == "first" else max(int(start), 1)
         while True:
             try:
-                raw = await self.js.get_msg(stream, seq, subject=subject, next=True)
+                raw = await self.outage.call(
+                    "stream read",
+                    lambda: self.js.get_msg(stream, seq, subject=subject, next=True),  # noqa: B023
+                )
             except nats.js.errors.NotFoundError:
                 if not follow:
                     return
@@ -432,31 +474,39 @@ class NatsBus(Bus):
     async def _object_store(self) -> ObjectStore:
         if self._objects is None:
             bucket = self.subjects.blob_bucket
-            try:
-                self._objects = await self.js.object_store(bucket)
-            except nats.js.errors.BucketNotFoundError:
-                self._objects = await self.js.create_object_store(bucket)
+
+            async def open_store() -> ObjectStore:
+                try:
+                    return await self.js.object_store(bucket)
+                except nats.js.errors.BucketNotFoundError:
+                    return await self.js.create_object_store(bucket)
+
+            self._objects = await self.outage.call("object store", open_store)
         return self._objects
 
     async def put_blob(self, name: str, data: bytes) -> BlobRef:
         store = await self._object_store()
-        await store.put(name, data)
+        await self.outage.call(f"blob put {name}", lambda: store.put(name, data))
         digest = hashlib.sha256(data).hexdigest()
         return BlobRef(bucket=self.subjects.blob_bucket, name=name, size=len(data), sha256=digest)
 
     async def get_blob(self, name: str) -> bytes:
         store = await self._object_store()
-        buffer = io.BytesIO()  # nats-py's default `data += chunk` is quadratic in the size
-        try:
+
+        async def read() -> bytes:
+            buffer = io.BytesIO()  # nats-py's default `data += chunk` is quadratic in the size
             await store.get(name, writeinto=buffer)
+            return buffer.getvalue()
+
+        try:
+            return await self.outage.call(f"blob get {name}", read)
         except nats.js.errors.ObjectNotFoundError as exc:
             raise BlobNotFound(name) from exc
-        return buffer.getvalue()
 
     async def delete_blob(self, name: str) -> None:
         store = await self._object_store()
         with contextlib.suppress(nats.js.errors.ObjectNotFoundError):
-            await store.delete(name)
+            await self.outage.call(f"blob delete {name}", lambda: store.delete(name))
         # nats-py's delete leaves a "deleted" marker as the object's meta message; each marker
         # pins a whole message block of the file store, so a run that replaces its weights every
         # step kept every version on disk (550 MB of 47 MB live in the demo). Purging the
@@ -464,7 +514,9 @@ class NatsBus(Bus):
         bucket = self.subjects.blob_bucket
         meta = f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
         with contextlib.suppress(nats.js.errors.NotFoundError):
-            await self.js.purge_stream(f"OBJ_{bucket}", subject=meta)
+            await self.outage.call(
+                "blob purge", lambda: self.js.purge_stream(f"OBJ_{bucket}", subject=meta)
+            )
 
     def lease(self, ack_token: str) -> Message:
         return _NatsLease(self.nc, ack_token)
@@ -472,25 +524,32 @@ class NatsBus(Bus):
     async def _kv_bucket(self) -> KeyValue:
         if self._kv is None:
             bucket = self.subjects.kv_bucket
-            try:
-                self._kv = await self.js.key_value(bucket)
-            except nats.js.errors.BucketNotFoundError:
-                self._kv = await self.js.create_key_value(bucket=bucket)
+
+            async def open_bucket() -> KeyValue:
+                try:
+                    return await self.js.key_value(bucket)
+                except nats.js.errors.BucketNotFoundError:
+                    return await self.js.create_key_value(bucket=bucket)
+
+            self._kv = await self.outage.call("kv bucket", open_bucket)
         return self._kv
 
     async def kv_put(self, key: str, value: bytes) -> int:
-        return await (await self._kv_bucket()).put(key, value)
+        bucket = await self._kv_bucket()
+        return await self.outage.call(f"kv put {key}", lambda: bucket.put(key, value))
 
     async def kv_get(self, key: str) -> bytes | None:
+        bucket = await self._kv_bucket()
         try:
-            entry = await (await self._kv_bucket()).get(key)
+            entry = await self.outage.call(f"kv get {key}", lambda: bucket.get(key))
         except nats.js.errors.KeyNotFoundError:
             return None
         return entry.value
 
     async def kv_delete(self, key: str) -> None:
+        bucket = await self._kv_bucket()
         with contextlib.suppress(nats.js.errors.KeyNotFoundError):
-            await (await self._kv_bucket()).delete(key)
+            await self.outage.call(f"kv delete {key}", lambda: bucket.delete(key))
 
 
 async def reachable(url: str, within_s: float = 5.0) -> None:

@@ -221,6 +221,15 @@ class NatsServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def exit_code(self) -> int | None:
+        """The return code once the spawned process has exited (None while it runs)."""
+        return None if self._proc is None else self._proc.poll()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
     def __enter__(self) -> NatsServer:
         return self.start()
 

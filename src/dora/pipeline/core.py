@@ -28,6 +28,9 @@ from dora.subjects import Subjects
 log = structlog.get_logger(__name__)
 
 SUMMARY_FILE = "summary.json"
+SERVER_POLL_S = 0.5
+MAX_SERVER_RESTARTS = 3
+"""An embedded nats-server that keeps dying is a problem to look at, not to hide."""
 
 
 class PipelineError(RuntimeError):
@@ -74,6 +77,7 @@ class Pipeline:
         self._bus = bus
         self._owns_bus = bus is None
         self._server: NatsServer | None = None
+        self.server_restarts = 0
         self.connected_url: str | None = None
         """The NATS URL the run's bus uses (the embedded server's random port included)."""
         self._entries: list[tuple[Stage, int]] = []
@@ -176,6 +180,8 @@ class Pipeline:
         pending |= waiters | {stop}
         if self.stall_timeout is not None:
             pending.add(asyncio.create_task(self._watch_stall(self.stall_timeout), name="stall"))
+        if self._server is not None:
+            pending.add(asyncio.create_task(self._watch_server(self._server), name="server"))
         try:
             while True:
                 if finite and all(ev.is_set() for ev in finite):
@@ -195,7 +201,8 @@ class Pipeline:
                             f"stage task {task.get_name()} failed: {exc!r}"
                         ) from exc
         finally:
-            for task in (*waiters, stop, *(t for t in pending if t.get_name() == "stall")):
+            watchers = (t for t in pending if t.get_name() in ("stall", "server"))
+            for task in (*waiters, stop, *watchers):
                 task.cancel()
 
     def _progress_mark(self) -> tuple[Any, ...]:
@@ -220,6 +227,32 @@ class Pipeline:
                 mark, since = now_mark, time.monotonic()
             elif time.monotonic() - since >= timeout:
                 raise PipelineError(await self._stall_report(timeout))
+
+    async def _watch_server(self, server: NatsServer) -> None:
+        """Restart the embedded nats-server if it dies mid-run (same port, same JetStream
+        store, so streams and consumers survive and the clients reconnect to the same URL);
+        fail with the server's log named after ``MAX_SERVER_RESTARTS``."""
+        while True:
+            await asyncio.sleep(SERVER_POLL_S)
+            code = server.exit_code
+            if code is None or self._stop_requested.is_set():
+                continue
+            self.server_restarts += 1
+            log_file = server.store_dir / "nats-server.log"
+            if self.server_restarts > MAX_SERVER_RESTARTS:
+                raise PipelineError(
+                    f"the embedded nats-server at {server.url} exited (code {code}) "
+                    f"{self.server_restarts} times; see {log_file}"
+                )
+            log.warning(
+                "embedded nats-server exited; restarting it",
+                code=code,
+                url=server.url,
+                restart=self.server_restarts,
+                log=str(log_file),
+            )
+            server.spawn()  # on the loop's thread, as at start: it dies with this process
+            await asyncio.to_thread(server.wait_ready)
 
     async def _stall_report(self, timeout: float) -> str:
         parts = []

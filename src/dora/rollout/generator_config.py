@@ -80,4 +80,6 @@ class GeneratorStats:
     reprefilled_tokens: int = 0
     """Prompt and generated tokens recomputed for finished trajectories (0 under dora)."""
     dead_lettered: int = 0
+    rebound: int = 0
+    """Requests redelivered while still generating here (a lapsed lease): kept, not re-run."""
     weight_loads: list[tuple[int, float]] = field(default_factory=list)

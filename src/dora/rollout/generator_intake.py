@@ -107,6 +107,15 @@ class RequestIntake(GeneratorBase):
                 # weights): not a bad request, just no longer ours. Hand it back.
                 await msg.nak()
                 return
+            held = self._held.get(request.request_id)
+            if held is not None and not held.exported:
+                # Redelivered while we still generate it (its lease lapsed: heartbeats could
+                # not reach the server, e.g. during a NATS outage). The new delivery is the live
+                # lease; the request keeps running here, once.
+                held.lease = msg
+                self.stats.rebound += 1
+                self._log.info("request_lease_renewed", request=request.request_id)
+                return
             if queue is not None:
                 request = retag(request, version)
             await self._call(self.engine.add_request, request)
