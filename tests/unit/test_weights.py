@@ -101,6 +101,19 @@ async def test_keep_versions_prunes_old_blobs(mbus: MemoryBus) -> None:
     assert sorted(mbus.broker.blobs) == sorted(e.blob.name for e in events[2:])
 
 
+async def test_a_resumed_publisher_prunes_what_its_predecessor_published(
+    mbus: MemoryBus,
+) -> None:
+    """The versions already deleted live in the KV store, not in the process that deleted
+    them: a learner resumed after a crash goes on pruning the versions published before."""
+    first = WeightPublisher(mbus, keep_versions=2)
+    before = [await first.publish(tiny(), v, step=v) for v in range(4)]
+    resumed = WeightPublisher(mbus, keep_versions=2)
+    after = [await resumed.publish(tiny(), v, step=v) for v in (4, 5)]
+    assert sorted(mbus.broker.blobs) == sorted(e.blob.name for e in after)
+    assert before[3].blob.name not in mbus.broker.blobs
+
+
 async def test_republished_version_wins(mbus: MemoryBus) -> None:
     """After a learner resumes it republishes versions past its checkpoint."""
     publisher = WeightPublisher(mbus)

@@ -34,6 +34,9 @@ from dora.versions import LATEST_KEY, announce, version_key
 
 log = structlog.get_logger(__name__)
 
+PRUNED_KEY = "weights.pruned_below"
+"""KV key: every version below it has had its blob deleted."""
+
 
 class WeightError(Exception):
     """A weight version that cannot be found or loaded."""
@@ -130,7 +133,6 @@ class WeightPublisher:
         self.bus = bus
         self.transport = transport or ObjectStoreTransport(bus)
         self.keep_versions = keep_versions
-        self._published: list[WeightVersion] = []
 
     async def publish(
         self,
@@ -158,16 +160,26 @@ class WeightPublisher:
         event = WeightVersion(version=version, blob=ref, checksum=digest, step=step, metrics=values)
         await announce(self.bus, event)
         log.info("weights_published", version=version, bytes=len(data), sha256=digest[:12])
-        self._published.append(event)
-        await self._prune()
+        await self._prune(version)
         return event
 
-    async def _prune(self) -> None:
+    async def _prune(self, version: int) -> None:
+        """Delete the blobs of versions older than the newest ``keep_versions``.
+
+        Which versions are gone is kept in the KV store (``weights.pruned_below``), not in
+        this process: a resumed learner also prunes what its predecessor published.
+        """
         if self.keep_versions is None:
             return
-        while len(self._published) > self.keep_versions:
-            old = self._published.pop(0)
-            await self.transport.delete(old.blob)
+        below = version - self.keep_versions + 1
+        raw = await self.bus.kv_get(PRUNED_KEY)
+        start = int(raw) if raw else 0
+        for old in range(start, below):
+            announced = await self.bus.kv_get(version_key(old))
+            if announced is not None:
+                await self.transport.delete(WeightVersion.model_validate_json(announced).blob)
+        if below > start:
+            await self.bus.kv_put(PRUNED_KEY, str(below).encode())
 
 
 class WeightFetcher:
