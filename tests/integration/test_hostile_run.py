@@ -3,8 +3,8 @@
 While the main job's parts run (prompt source, dispatcher, two built-in engines, orchestrator,
 reward, GRPO learner, recorder), an outside client publishes malformed and forged messages on
 every subject the run uses: invalid JSON and UTF-8, wrong types, missing fields, a future
-schema version, deeply nested and oversized payloads, out-of-range token ids, duplicated ids
-and references to versions never published. Each carries a marker. The run must finish every
+schema version, deeply nested and oversized payloads, a prompt longer than the model's context,
+out-of-range token ids, duplicated ids and references to versions never published. Each carries a marker. The run must finish every
 step with its invariants; every hostile message must leave a dead letter with a reason; no
 marker may reach the recorded streams or the learner's batches.
 """
@@ -107,6 +107,8 @@ async def test_hostile_messages_on_every_subject_are_dead_lettered_and_the_run_c
     prompt = {"prompt_id": "p", "text": "1+1=", "answer": "2"}
     for payload in h.malformed(s.prompts, prompt):
         await outsider.publish(s.prompts, payload)
+    too_long = {**prompt, "prompt_id": h.mark(s.prompts), "text": "1+" * 5000 + "1="}
+    await outsider.publish(s.prompts, json.dumps(too_long).encode())  # past the context
     run = asyncio.create_task(pipeline.run())
     try:
         async with asyncio.timeout(120):
@@ -196,6 +198,7 @@ async def test_hostile_messages_on_every_subject_are_dead_lettered_and_the_run_c
             found.setdefault(n, []).append(letter)
     missing = {n: h.sent[n] for n in h.sent if n not in found}
     assert not missing, f"hostile messages without a dead letter: {missing}"
+    assert any(d.reason.startswith("refused: prompt 'HOSTILE-") for d in letters)
 
 
 def _raw(letter: DeadLetter) -> bytes:

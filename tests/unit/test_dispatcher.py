@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dora.events import Prompt, SamplingParams
-from dora.rollout.dispatcher import Dispatcher, DispatcherConfig, sample_seed
+from dora.rollout.dispatcher import Dispatcher, DispatcherConfig, PromptRefused, sample_seed
 
 
 def prompt(i: int) -> Prompt:
@@ -318,3 +318,22 @@ def test_a_restored_dispatcher_continues_where_the_snapshot_left_off() -> None:
     assert again[0].group_id not in {a[0].group_id, b[0].group_id}
     with pytest.raises(ValueError, match="mode=dora group_size=2"):
         make(group_size=3).restore(snap)
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_a_group_exists() -> None:
+    calls: list[str] = []
+
+    def tokenize(text: str) -> list[int]:
+        calls.append(text)
+        return [1] * len(text)
+
+    d = Dispatcher(DispatcherConfig(group_size=2, max_prompt_tokens=8), tokenize=tokenize)
+    long = Prompt(event_id="long", prompt_id="long", text="x" * 9)
+    with pytest.raises(PromptRefused, match=r"'long' has 9 tokens; .* at most 8"):
+        d.check_prompt(long)
+    short = Prompt(event_id="short", prompt_id="short", text="x" * 8)
+    d.check_prompt(short)
+    admission = d.admit(short, [0])
+    assert admission.admitted and all(len(r.prompt_token_ids) == 8 for r in admission.requests)
+    assert calls == ["x" * 9, "x" * 8]  # each prompt tokenized once
+    assert d.ledger().versions[0].dispatched == 1  # the long one left no group behind

@@ -35,7 +35,7 @@ from dora.events import (
     ScoredTrajectory,
     WeightVersion,
 )
-from dora.rollout.dispatcher import Dispatcher, Tokenize
+from dora.rollout.dispatcher import Dispatcher, PromptRefused, Tokenize
 from dora.rollout.dispatcher_snapshot import SNAPSHOT_KEY, DispatcherSnapshot
 from dora.stage.deadletter import build_dead_letter, validation_reason
 from dora.versions import check_published
@@ -161,6 +161,11 @@ class DispatchService:
             return
         if self.dispatcher.admitted_before(prompt):  # admitted, then crashed before the ack
             await msg.ack()
+            return
+        try:
+            self.dispatcher.check_prompt(prompt)
+        except PromptRefused as exc:
+            await self._dead_letter(msg, f"refused: {exc}")
             return
         while not self._stop.is_set():
             async with self._lock:

@@ -41,6 +41,10 @@ MODES: tuple[str, ...] = ("sync", "one_step_off", "partial", "dora")
 Tokenize = Callable[[str], Sequence[int]]
 
 
+class PromptRefused(ValueError):
+    """A prompt no engine can serve (the reason says why); it is dead-lettered."""
+
+
 @dataclass(frozen=True)
 class DispatcherConfig:
     """How prompts become requests and how much work may be in flight."""
@@ -58,6 +62,9 @@ class DispatcherConfig:
     """Template for every request's sampling params (its seed is replaced per sample)."""
     urgency_horizon_steps: int = 0
     """A group is urgent when its deadline step is within this many steps of the learner's."""
+    max_prompt_tokens: int | None = None
+    """Longer prompts are refused before a group exists (``PromptRefused``): no engine could
+    serve them, and a group that can never finish would hold the learner at its deadline."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -65,6 +72,8 @@ class DispatcherConfig:
         for name in ("group_size", "batch_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DispatcherConfig.{name} must be >= 1")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError("DispatcherConfig.max_prompt_tokens must be >= 1")
         if self.staleness_bound < 0 or self.urgency_horizon_steps < 0:
             raise ValueError("DispatcherConfig.staleness_bound/urgency_horizon_steps must be >= 0")
 
@@ -133,6 +142,7 @@ class Dispatcher:
     def __init__(self, config: DispatcherConfig, tokenize: Tokenize | None = None) -> None:
         self.config = config
         self.tokenize = tokenize
+        self._tokens: tuple[str | None, str, tuple[int, ...]] = (None, "", ())
         self.newest_version = 0
         self.ledger_state = StalenessLedger(config.effective_k, config.batch_groups)
         self._groups: dict[str, _Group] = {}
@@ -237,7 +247,7 @@ class Dispatcher:
             occurrence += 1
             gid = _group_id(prompt.prompt_id, occurrence)
         self._occurrences[prompt.prompt_id] = occurrence + 1
-        token_ids = tuple(self.tokenize(prompt.text)) if self.tokenize else ()
+        token_ids = self._token_ids(prompt)
         g = self.config.group_size
         template = self.config.sampling
         return tuple(
@@ -257,6 +267,24 @@ class Dispatcher:
             )
             for i in range(g)
         )
+
+    def check_prompt(self, prompt: Prompt) -> None:
+        """Raise ``PromptRefused`` for a prompt no engine can serve (tokenized once here, the
+        ids kept for the group built from it)."""
+        token_ids = tuple(self.tokenize(prompt.text)) if self.tokenize else ()
+        self._tokens = (prompt.event_id, prompt.text, token_ids)
+        limit = self.config.max_prompt_tokens
+        if limit is not None and len(token_ids) > limit:
+            raise PromptRefused(
+                f"prompt {prompt.prompt_id!r} has {len(token_ids)} tokens; the engines' context "
+                f"takes at most {limit}"
+            )
+
+    def _token_ids(self, prompt: Prompt) -> tuple[int, ...]:
+        event_id, text, ids = self._tokens
+        if (event_id, text) == (prompt.event_id, prompt.text):
+            return ids
+        return tuple(self.tokenize(prompt.text)) if self.tokenize else ()
 
     def admitted_before(self, prompt: Prompt) -> bool:
         """True for a redelivery of the last prompt admitted (the crash came before its ack)."""

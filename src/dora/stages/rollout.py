@@ -101,6 +101,7 @@ class RolloutStage(Stage):
                 batch_groups=cfg.batch_groups,
                 staleness_bound=cfg.staleness_bound,
                 seed=cfg.seed,
+                max_prompt_tokens=min(e.max_model_len for e in engines) - 1,
                 sampling=SamplingParams(
                     temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=0
                 ),
