@@ -3,10 +3,11 @@
 While the main job's parts run (prompt source, dispatcher, two built-in engines, orchestrator,
 reward, GRPO learner, recorder), an outside client publishes malformed and forged messages on
 every subject the run uses: invalid JSON and UTF-8, wrong types, missing fields, a future
-schema version, deeply nested and oversized payloads, a prompt longer than the model's context,
-out-of-range token ids, duplicated ids and references to versions never published. Each carries a marker. The run must finish every
-step with its invariants; every hostile message must leave a dead letter with a reason; no
-marker may reach the recorded streams or the learner's batches.
+schema version, deeply nested and oversized payloads, a prompt longer than the model's
+context, out-of-range token ids, duplicated ids and references to versions never published.
+Each carries a marker. The run must finish every step with its invariants; every hostile
+message must leave a dead letter with a reason; no marker may reach the recorded streams or
+the learner's batches.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from dora.events import Ledger, VersionCounts
@@ -167,6 +169,13 @@ def test_invalid_samples_name_the_field() -> None:
         buf.add(make_scored(group_id="g", group_index=1, group_size=3), step=0)
     with pytest.raises(InvalidTrajectory, match="group_index"):
         buf.add(make_scored(group_id="h", group_index=3, group_size=2), step=0)
+    for reward in (math.inf, -math.inf, math.nan):
+        with pytest.raises(InvalidTrajectory, match="not a finite number"):
+            buf.add(make_scored(group_id="r", group_index=0, group_size=2, reward=reward), step=0)
+    for logprob in (math.nan, -math.inf, 0.5):
+        bad_lp = make_scored(group_id="l", group_index=0, group_size=2, logprobs=[logprob, -1.0])
+        with pytest.raises(InvalidTrajectory, match="finite log <= 0"):
+            buf.add(bad_lp, step=0)
 
 
 def test_urgent_wait_can_time_out() -> None:

@@ -22,6 +22,7 @@ ignored and counted. Pure data structures: no bus, no clocks except the ``now`` 
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -123,8 +124,10 @@ def validate(
             f"trajectory.token_versions has {len(traj.token_versions)} entries for {n} "
             "completion tokens"
         )
-    if scored.reward != scored.reward:  # NaN
-        raise InvalidTrajectory("reward is NaN")
+    if not math.isfinite(scored.reward):
+        raise InvalidTrajectory(f"reward is {scored.reward}: not a finite number")
+    if not all(math.isfinite(lp) and lp <= 0.0 for lp in traj.logprobs):
+        raise InvalidTrajectory("trajectory.logprobs holds a value that is not a finite log <= 0")
 
 
 @dataclass
