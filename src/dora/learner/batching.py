@@ -35,6 +35,10 @@ from dora.events import Ledger, ScoredTrajectory
 log = structlog.get_logger(__name__)
 
 
+LOGPROB_SLACK = 1e-3
+"""A log-probability is <= 0; engines computing in low precision may round a hair above."""
+
+
 class InvalidTrajectory(ValueError):
     """A scored trajectory the learner cannot train on (the message names the field)."""
 
@@ -126,7 +130,7 @@ def validate(
         )
     if not math.isfinite(scored.reward):
         raise InvalidTrajectory(f"reward is {scored.reward}: not a finite number")
-    if not all(math.isfinite(lp) and lp <= 0.0 for lp in traj.logprobs):
+    if not all(math.isfinite(lp) and lp <= LOGPROB_SLACK for lp in traj.logprobs):
         raise InvalidTrajectory("trajectory.logprobs holds a value that is not a finite log <= 0")
 
 
