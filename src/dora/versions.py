@@ -31,9 +31,18 @@ async def announce(bus: Bus, event: WeightVersion) -> None:
     await bus.publish_event(bus.subjects.weights, event)
 
 
-async def check_published(bus: Bus, version: int, what: str) -> None:
+async def check_published(bus: Bus, version: int, what: str, checksum: str | None = None) -> None:
     """Raise ``UnknownVersion`` unless ``version`` has a KV record (``what`` names the
-    reference, e.g. ``"WeightVersion.version"``). Observers call it only for versions newer
-    than the newest they know, so the common case costs no lookup."""
-    if await bus.kv_get(version_key(version)) is None:
+    reference, e.g. ``"WeightVersion.version"``) whose checksum is ``checksum`` when given.
+    Observers call it only for versions newer than the newest they know, so the common case
+    costs no lookup."""
+    raw = await bus.kv_get(version_key(version))
+    if raw is None:
         raise UnknownVersion(f"{what} {version}: no policy version {version} was published")
+    if checksum is not None:
+        recorded = WeightVersion.model_validate_json(raw).checksum
+        if recorded != checksum:
+            raise UnknownVersion(
+                f"{what} {version}: checksum {checksum[:16]!r} is not the published "
+                f"{recorded[:16]!r}"
+            )

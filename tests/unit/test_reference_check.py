@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from dora import events
 from dora.bus import MemoryBus
 from dora.reference_check import ReferenceCheck
 from dora.subjects import Subjects
-from dora.versions import announce
+from dora.versions import UnknownVersion, announce, check_published
 
 
 def trajectory(request_id: str, version: int) -> events.Trajectory:
@@ -66,3 +68,15 @@ async def test_a_version_never_published_is_refused_wherever_it_is_named() -> No
     assert await check.refusal("trajectories", mixed) == unknown.format(7)
     await announce(bus, weights(3))  # published later: now it is known
     assert await check.refusal("trajectories", trajectory("r2", 3)) == ""
+
+
+async def test_an_announcement_must_match_the_published_checksum() -> None:
+    bus = MemoryBus(Subjects("unit"))
+    await bus.connect()
+    real = weights(1).model_copy(update={"checksum": "a" * 64})
+    await announce(bus, real)
+    await check_published(bus, 1, "WeightVersion.version", checksum=real.checksum)
+    with pytest.raises(UnknownVersion, match="checksum 'bbbbbbbbbbbbbbbb' is not the published"):
+        await check_published(bus, 1, "WeightVersion.version", checksum="b" * 64)
+    with pytest.raises(UnknownVersion, match="no policy version 2 was published"):
+        await check_published(bus, 2, "WeightVersion.version")

@@ -258,10 +258,12 @@ class DispatchService:
             self.dispatcher.observe_learner_step(taken)
 
     async def _on_weights(self, data: bytes) -> None:
-        version = WeightVersion.model_validate_json(data).version
-        if version > self.dispatcher.newest_version:
-            await check_published(self.bus, version, "WeightVersion.version")
-        self.dispatcher.observe_weights(version)
+        event = WeightVersion.model_validate_json(data)
+        if event.version > self.dispatcher.newest_version:
+            await check_published(
+                self.bus, event.version, "WeightVersion.version", checksum=event.checksum
+            )
+        self.dispatcher.observe_weights(event.version)
 
 
 __all__ = ["LEDGER_KEY", "DispatchService", "Tokenize", "request_event_id"]
