@@ -29,13 +29,12 @@ from pathlib import Path
 from typing import IO, Any
 
 import structlog
-from pydantic import ValidationError
 
 from dora.bus.base import Bus, Consumer, ConsumerSpec, Message, Subscription
 from dora.contract import FAMILY_EVENTS
 from dora.events import EngineStatus, Event, Ledger
 from dora.reference_check import ReferenceCheck
-from dora.stage.deadletter import build_dead_letter, validation_reason
+from dora.stage.deadletter import build_dead_letter, parse_event
 
 log = structlog.get_logger(__name__)
 
@@ -96,12 +95,9 @@ def _as_line(stem: str, data: bytes) -> tuple[bytes | None, str, Event | None]:
     model = STEM_MODEL.get(stem)
     if model is None:
         return None, f"no event type for {stem!r}", None
-    try:
-        event = model.model_validate_json(data)
-    except ValidationError as exc:
-        return None, validation_reason(model, exc), None
-    except RecursionError:
-        return None, f"invalid {model.__name__}: nested too deeply", None
+    event, reason = parse_event(model, data)
+    if event is None:
+        return None, reason, None
     body = data.strip()
     if b"\n" in body or b"\r" in body:  # pretty-printed: one line per event
         body = event.model_dump_json().encode()

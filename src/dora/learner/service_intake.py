@@ -20,7 +20,7 @@ from dora.bus.base import Message
 from dora.events import DeadLetter, Ledger, ScoredTrajectory
 from dora.learner.batching import AddOutcome, InvalidTrajectory, sample_version
 from dora.learner.service_base import LearnerBase
-from dora.stage.deadletter import build_dead_letter, validation_reason
+from dora.stage.deadletter import build_dead_letter, parse_event
 
 log = structlog.get_logger("dora.learner.service")
 
@@ -32,13 +32,9 @@ class ScoredIntake(LearnerBase):
     """Consumption side of ``LearnerService`` (see module docstring)."""
 
     async def _receive(self, msg: Message) -> None:
-        try:
-            scored = ScoredTrajectory.model_validate_json(msg.data)
-        except ValidationError as exc:
-            await self._dead_letter(msg, validation_reason(ScoredTrajectory, exc))
-            return
-        except RecursionError:
-            await self._dead_letter(msg, "invalid ScoredTrajectory: nested too deeply")
+        scored, reason = parse_event(ScoredTrajectory, msg.data)
+        if scored is None:
+            await self._dead_letter(msg, reason)
             return
         version = sample_version(scored)
         if version > self.step:  # this learner has published versions 0..step

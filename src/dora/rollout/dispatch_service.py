@@ -37,7 +37,7 @@ from dora.events import (
 )
 from dora.rollout.dispatcher import Dispatcher, PromptRefused, Tokenize
 from dora.rollout.dispatcher_snapshot import SNAPSHOT_KEY, DispatcherSnapshot
-from dora.stage.deadletter import build_dead_letter, validation_reason
+from dora.stage.deadletter import build_dead_letter, parse_event, validation_reason
 from dora.versions import check_published
 
 log = structlog.get_logger(__name__)
@@ -151,13 +151,9 @@ class DispatchService:
             await self._stop.wait()
 
     async def _dispatch(self, msg: Message) -> None:
-        try:
-            prompt = Prompt.model_validate_json(msg.data)
-        except ValidationError as exc:
-            await self._dead_letter(msg, validation_reason(Prompt, exc))
-            return
-        except RecursionError:
-            await self._dead_letter(msg, "invalid Prompt: nested too deeply")
+        prompt, reason = parse_event(Prompt, msg.data)
+        if prompt is None:
+            await self._dead_letter(msg, reason)
             return
         if self.dispatcher.admitted_before(prompt):  # admitted, then crashed before the ack
             await msg.ack()

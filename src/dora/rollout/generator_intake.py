@@ -11,15 +11,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pydantic import ValidationError
-
 from dora.bus import Message
 from dora.engines.base import EngineError
 from dora.events import RolloutRequest
 from dora.rollout.generator_base import GeneratorBase, Held
 from dora.rollout.generator_config import request_queue_spec
 from dora.rollout.partial import retag
-from dora.stage.deadletter import build_dead_letter, validation_reason
+from dora.stage.deadletter import build_dead_letter, parse_event
 
 
 class RequestIntake(GeneratorBase):
@@ -95,8 +93,11 @@ class RequestIntake(GeneratorBase):
     async def _admit(self, msg: Message, version: int, queue: int | None = None) -> None:
         """Add a pulled request (from ``version``'s queue, or an older ``queue`` in partial
         rollout, where it is retagged to ``version``)."""
+        request, reason = parse_event(RolloutRequest, msg.data)
+        if request is None:
+            await self._dead_letter(msg, reason)
+            return
         try:
-            request = RolloutRequest.model_validate_json(msg.data)
             if request.version != (version if queue is None else queue):
                 raise EngineError(
                     f"request tagged v{request.version} arrived on the "
@@ -119,12 +120,6 @@ class RequestIntake(GeneratorBase):
             if queue is not None:
                 request = retag(request, version)
             await self._call(self.engine.add_request, request)
-        except ValidationError as exc:
-            await self._dead_letter(msg, validation_reason(RolloutRequest, exc))
-            return
-        except RecursionError:
-            await self._dead_letter(msg, "invalid RolloutRequest: nested too deeply")
-            return
         except EngineError as exc:
             await self._dead_letter(msg, f"{type(exc).__name__}: {exc}")
             return

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import base64
 import uuid
+from typing import TypeVar
 
 from pydantic import ValidationError
 
 from dora.bus import Bus, Message
-from dora.events import DeadLetter
+from dora.events import DeadLetter, Event
 from dora.stage.base import derived_id
+
+E = TypeVar("E", bound=Event)
 
 INLINE_PAYLOAD_MAX = 256 * 1024
 """Payloads above this go to the blob store; the dead letter keeps a prefix and the blob name."""
@@ -31,6 +34,17 @@ def validation_reason(model: type, exc: ValidationError) -> str:
     if more > 0:
         parts.append(f"(and {more} more errors)")
     return f"invalid {model.__name__}: " + "; ".join(parts)
+
+
+def parse_event(model: type[E], data: bytes) -> tuple[E | None, str]:
+    """``(event, "")``, or ``(None, reason)`` when ``data`` is not a valid ``model``: the one
+    way every stage reads a message it may have to dead-letter (a 100k-deep array included)."""
+    try:
+        return model.model_validate_json(data), ""
+    except ValidationError as exc:
+        return None, validation_reason(model, exc)
+    except RecursionError:
+        return None, f"invalid {model.__name__}: nested too deeply"
 
 
 def _encode(data: bytes) -> tuple[str, str]:
