@@ -23,7 +23,6 @@ import contextlib
 from dataclasses import dataclass, field
 
 import structlog
-from pydantic import ValidationError
 
 from dora.aio import cancel_all
 from dora.bus import Bus, ConsumerSpec, Message, Subscription
@@ -37,7 +36,7 @@ from dora.events import (
 )
 from dora.rollout.dispatcher import Dispatcher, PromptRefused, Tokenize
 from dora.rollout.dispatcher_snapshot import SNAPSHOT_KEY, DispatcherSnapshot
-from dora.stage.deadletter import build_dead_letter, parse_event, validation_reason
+from dora.stage.deadletter import build_dead_letter, parse_event
 from dora.versions import check_published
 
 log = structlog.get_logger(__name__)
@@ -205,11 +204,13 @@ class DispatchService:
 
     async def _watch_status(self, sub: Subscription) -> None:
         async for msg in sub:
-            with contextlib.suppress(ValueError):
-                status = EngineStatus.model_validate_json(msg.data)
-                if self.assigned.get(status.engine_id) != status.assigned_version:
-                    self.assigned[status.engine_id] = status.assigned_version
-                    self._changed.set()
+            status, _ = parse_event(EngineStatus, msg.data)  # a bad one: the orchestrator's
+            if (
+                status is not None
+                and self.assigned.get(status.engine_id) != status.assigned_version
+            ):
+                self.assigned[status.engine_id] = status.assigned_version
+                self._changed.set()
 
     async def _watch(self, consumer: object, handle: object, model: type) -> None:
         """Apply each observation with ``handle``; what fails (a ``model`` that does not
@@ -221,12 +222,12 @@ class DispatchService:
             rejected: list[tuple[Message, str]] = []
             async with self._lock:
                 for msg in msgs:
+                    event, reason = parse_event(model, msg.data)  # type: ignore[arg-type]
+                    if event is None:
+                        rejected.append((msg, reason))
+                        continue
                     try:
-                        await handle(msg.data)  # type: ignore[operator]
-                    except ValidationError as exc:
-                        rejected.append((msg, validation_reason(model, exc)))
-                    except RecursionError:
-                        rejected.append((msg, f"invalid {model.__name__}: nested too deeply"))
+                        await handle(event)  # type: ignore[operator]
                     except (ValueError, KeyError) as exc:
                         rejected.append((msg, f"{type(exc).__name__}: {exc}"))
             await self._write_ledger()
@@ -238,13 +239,11 @@ class DispatchService:
                 await msg.ack()
             self._changed.set()
 
-    async def _on_scored(self, data: bytes) -> None:
-        scored = ScoredTrajectory.model_validate_json(data)
+    async def _on_scored(self, scored: ScoredTrajectory) -> None:
         request = scored.trajectory.request
         self.dispatcher.on_finished(request.request_id, request.group_id, request.dispatch_version)
 
-    async def _on_metrics(self, data: bytes) -> None:
-        metrics = Metrics.model_validate_json(data)
+    async def _on_metrics(self, metrics: Metrics) -> None:
         taken = metrics.step + 1  # Metrics.step is the index of the step just taken
         if taken > self.dispatcher.newest_version + 1:  # its weights are announced first
             await check_published(self.bus, taken, "Metrics.step + 1")
@@ -253,8 +252,7 @@ class DispatchService:
         else:
             self.dispatcher.observe_learner_step(taken)
 
-    async def _on_weights(self, data: bytes) -> None:
-        event = WeightVersion.model_validate_json(data)
+    async def _on_weights(self, event: WeightVersion) -> None:
         if event.version > self.dispatcher.newest_version:
             await check_published(
                 self.bus, event.version, "WeightVersion.version", checksum=event.checksum
