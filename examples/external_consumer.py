@@ -12,13 +12,21 @@ wire contract in ``schemas/CONTRACT.md``:
 Find the run by its folder (``runs/<id>/run.json`` holds the NATS URL and run id once the run
 has started) or by ``--nats`` and ``--run``. Started before the run, it waits for the run's
 stream; it attaches its own durable pull consumer (taking nothing away from the pipeline),
-validates every message against the schema, prints one line per message and acks it.
+validates every message against the schema, prints one line per message and acks it. With
+``--live`` it listens instead (a core subscription: it sees what is published while it runs).
 
-    python examples/external_consumer.py --run-dir runs/myrun --max 100
-    python examples/external_consumer.py --nats nats://127.0.0.1:4222 --run myrun --replay
+A run on dora's embedded server admits only logged-in clients: with ``--run-dir`` this program
+logs in with the run's read-only credentials (``credentials/reader.json``, named in
+``run.json``), which may attach consumers to the replay stream only, so use ``--replay`` or
+``--live`` there; ``--creds FILE`` names another login.
+
+    python examples/external_consumer.py --run-dir runs/myrun --replay --max 100
+    python examples/external_consumer.py --run-dir runs/myrun --live --max 100
+    python examples/external_consumer.py --nats nats://127.0.0.1:4222 --run myrun
 
 Exit status: 0 when every message validated, 1 when any did not, 2 on bad arguments, 3 when
-there is no server, or the run's stream did not appear within ``--wait`` seconds.
+there is no server, the server refused the login or a consumer, or the run's stream did not
+appear within ``--wait`` seconds.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import nats
@@ -70,23 +79,40 @@ def check(validator: jsonschema.protocols.Validator, data: bytes) -> str | None:
     return f"{where}: {error.message}"
 
 
-def find_run(run_dir: Path, wait_s: float) -> tuple[str, str]:
-    """(NATS URL, run id) from ``run_dir/run.json``, waiting for the run to write its URL."""
+def find_run(run_dir: Path, wait_s: float) -> tuple[str, str, dict[str, Any]]:
+    """(NATS URL, run id, login) from ``run_dir/run.json``, waiting for the run to write its
+    URL. A run on its embedded server names its credential files there; this program logs in
+    as ``reader``."""
     path = run_dir / "run.json"
     deadline = time.monotonic() + wait_s
     while True:
         with contextlib.suppress(OSError, ValueError):
             record = json.loads(path.read_text(encoding="utf-8"))
             if record.get("url") and record.get("run_id"):
-                return str(record["url"]), str(record["run_id"])
+                creds = (record.get("credentials") or {}).get("reader")
+                login = read_login(run_dir / creds) if creds else {}
+                return str(record["url"]), str(record["run_id"]), login
         if time.monotonic() >= deadline:
             raise Unavailable(f"{path} names no running server after {wait_s:g}s")
         time.sleep(0.2)
 
 
-async def connect(url: str) -> nats.NATS:
+def read_login(path: Path) -> dict[str, Any]:
+    """``nats.connect`` options from a dora credential file (user, password, inbox prefix)."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        login = {"user": record["user"], "password": record["password"]}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise Unavailable(f"cannot read the login in {path}: {exc}") from exc
+    if record.get("inbox_prefix"):
+        login["inbox_prefix"] = record["inbox_prefix"]  # the replies this login may read
+    return login
+
+
+async def connect(url: str, login: dict[str, Any], refused: list[str]) -> nats.NATS:
     async def quiet(exc: Exception) -> None:  # one line at exit instead of a traceback each
-        pass
+        if "permissions violation" in str(exc).lower():  # the server's refusals come this way
+            refused.append(str(exc).removeprefix("nats: "))
 
     try:
         return await nats.connect(
@@ -96,9 +122,57 @@ async def connect(url: str) -> nats.NATS:
             reconnect_time_wait=1,
             allow_reconnect=True,
             error_cb=quiet,
+            **login,
         )
     except Exception as exc:  # nats-py raises several unrelated types for "nobody there"
-        raise Unavailable(f"no NATS server at {url} ({type(exc).__name__}: {exc})") from exc
+        raise Unavailable(f"cannot connect to {url} ({type(exc).__name__}: {exc})") from exc
+
+
+async def attach(js: Any, run: str, args: argparse.Namespace, refused: list[str]) -> Any:
+    """This program's own durable pull consumer on the family's (or the replay) stream."""
+    stream_family = "replay" if args.replay else args.family
+    subject = f"dora.{run}.{'replay.' if args.replay else ''}{args.family}"
+    await wait_for_stream(js, run, stream_family, args.wait)
+    try:
+        sub = await js.pull_subscribe(
+            subject,
+            durable=args.durable,
+            stream=stream_name(run, stream_family),
+            config=api.ConsumerConfig(
+                ack_policy=api.AckPolicy.EXPLICIT, deliver_policy=api.DeliverPolicy.ALL
+            ),
+        )
+    except TimeoutError:
+        if not refused:
+            raise
+        raise Unavailable(
+            f"the server refused: {refused[-1]} (a read-only login attaches consumers to the "
+            "replay stream only: use --replay, or --live)"
+        ) from None
+    print(f"attached to {subject} as {args.durable}", file=sys.stderr, flush=True)
+    return sub
+
+
+class Live:
+    """Live mode: a core subscription. Nothing is stored for this reader, so it sees what is
+    published while it listens (start it before the run to see everything)."""
+
+    def __init__(self, sub: Any) -> None:
+        self.sub = sub
+
+    async def fetch(self, want: int, timeout: float) -> list[Any]:
+        try:
+            return [await self.sub.next_msg(timeout=timeout)]
+        except TimeoutError:
+            return []
+
+
+async def listen(nc: nats.NATS, run: str, family: str) -> Live:
+    subject = f"dora.{run}.{family}"
+    sub = await nc.subscribe(subject)
+    await nc.flush()
+    print(f"listening on {subject}", file=sys.stderr, flush=True)
+    return Live(sub)
 
 
 async def wait_for_stream(js: nats.js.JetStreamContext, run: str, family: str, wait_s: float):
@@ -120,28 +194,20 @@ async def wait_for_stream(js: nats.js.JetStreamContext, run: str, family: str, w
             await asyncio.sleep(0.5)
 
 
-async def consume(args: argparse.Namespace, url: str, run: str) -> int:
+async def consume(args: argparse.Namespace, url: str, run: str, login: dict[str, Any]) -> int:
     validator = load_validator(args.schema or SCHEMAS / f"{TYPES[args.family]}.json")
-    nc = await connect(url)
+    refused: list[str] = []
+    nc = await connect(url, login, refused)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     valid = invalid = 0
     try:
-        js = nc.jetstream()
-        stream_family = "replay" if args.replay else args.family
-        subject = f"dora.{run}.{'replay.' if args.replay else ''}{args.family}"
-        await wait_for_stream(js, run, stream_family, args.wait)
-        sub = await js.pull_subscribe(
-            subject,
-            durable=args.durable,
-            stream=stream_name(run, stream_family),
-            config=api.ConsumerConfig(
-                ack_policy=api.AckPolicy.EXPLICIT, deliver_policy=api.DeliverPolicy.ALL
-            ),
-        )
-        print(f"attached to {subject} as {args.durable}", file=sys.stderr, flush=True)
+        if args.live:
+            sub = await listen(nc, run, args.family)
+        else:
+            sub = await attach(nc.jetstream(), run, args, refused)
         idle_since = time.monotonic()
         while not stop.is_set() and (not args.max or valid + invalid < args.max):
             want = 64 if not args.max else min(64, args.max - valid - invalid)
@@ -166,7 +232,8 @@ async def consume(args: argparse.Namespace, url: str, run: str) -> int:
                 else:
                     invalid += 1
                     print(f"INVALID {event_id}: {problem}", flush=True)
-                await msg.ack()
+                if not args.live:
+                    await msg.ack()
     finally:
         with contextlib.suppress(Exception):
             await nc.flush(timeout=2)  # the acks
@@ -182,9 +249,15 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--run-dir", type=Path, help="the run's folder (reads its run.json)")
     where.add_argument("--nats", help="NATS URL of the run's server")
     where.add_argument("--run", help="run id (`dora run --run-id ID` sets it)")
+    where.add_argument(
+        "--creds", type=Path, help="login file (JSON user/password); default: the run folder's"
+    )
     parser.add_argument("--family", choices=sorted(TYPES), default="trajectories")
     parser.add_argument(
         "--replay", action="store_true", help="read the run's replay copy from its start"
+    )
+    parser.add_argument(
+        "--live", action="store_true", help="a live subscription instead of a durable consumer"
     )
     parser.add_argument("--max", type=int, default=0, help="stop after N messages (0: never)")
     parser.add_argument("--durable", default="external-audit", help="this consumer's name")
@@ -196,16 +269,20 @@ def main(argv: list[str] | None = None) -> int:
         "--wait", type=float, default=300.0, help="seconds to wait for the run to start"
     )
     args = parser.parse_args(argv)
+    if args.live and args.replay:
+        parser.error("--live and --replay exclude each other")
     if args.schema is not None and not args.schema.is_file():
         parser.error(f"--schema {args.schema} is not a file")
     if args.run_dir is None and not (args.nats and args.run):
         parser.error("give --run-dir, or both --nats and --run")
     try:
         if args.run_dir is not None:
-            url, run = find_run(args.run_dir, args.wait)
+            url, run, login = find_run(args.run_dir, args.wait)
         else:
-            url, run = args.nats, args.run
-        return asyncio.run(consume(args, url, run))
+            url, run, login = args.nats, args.run, {}
+        if args.creds:
+            login = read_login(args.creds)
+        return asyncio.run(consume(args, url, run, login))
     except Unavailable as exc:
         hint = " (an embedded server stops when its run ends)" if args.run_dir else ""
         print(f"error: {exc}{hint}", file=sys.stderr, flush=True)

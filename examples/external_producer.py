@@ -13,9 +13,13 @@ N arithmetic problems in the built-in format (``Q: 3+4\\nA:\\n``, answer ``7``):
     python examples/external_producer.py --run-dir runs/myrun --count 32
     python examples/external_producer.py --nats nats://127.0.0.1:4222 --run myrun prompts.jsonl
 
+A run on dora's embedded server admits only logged-in clients: with ``--run-dir`` the producer
+logs in with the run's producer credentials (``credentials/producer.json``, named in
+``run.json``), which may publish prompts and nothing else; ``--creds FILE`` names another.
+
 Exit status: 0 when every prompt was stored, 1 when a prompt failed validation (nothing is sent
-then), 2 on bad arguments, 3 when there is no server or the run's prompt stream did not
-appear within ``--wait`` seconds.
+then), 2 on bad arguments, 3 when there is no server, the server refused the login or a
+publish, or the run's prompt stream did not appear within ``--wait`` seconds.
 """
 
 from __future__ import annotations
@@ -76,28 +80,51 @@ def invalid_reason(validator: jsonschema.protocols.Validator, doc: Any) -> str |
     return f"{where}: {error.message}"
 
 
-def find_run(run_dir: Path, wait_s: float) -> tuple[str, str]:
-    """(NATS URL, run id) from ``run_dir/run.json``, waiting for the run to write its URL."""
+def find_run(run_dir: Path, wait_s: float) -> tuple[str, str, dict[str, Any]]:
+    """(NATS URL, run id, login) from ``run_dir/run.json``, waiting for the run to write its
+    URL. A run on its embedded server names its credential files there; this program logs in
+    as ``producer``."""
     path = run_dir / "run.json"
     deadline = time.monotonic() + wait_s
     while True:
         with contextlib.suppress(OSError, ValueError):
             record = json.loads(path.read_text(encoding="utf-8"))
             if record.get("url") and record.get("run_id"):
-                return str(record["url"]), str(record["run_id"])
+                creds = (record.get("credentials") or {}).get("producer")
+                login = read_login(run_dir / creds) if creds else {}
+                return str(record["url"]), str(record["run_id"]), login
         if time.monotonic() >= deadline:
             raise Unavailable(f"{path} names no running server after {wait_s:g}s")
         time.sleep(0.2)
 
 
-async def produce(prompts: list[dict[str, Any]], url: str, run: str, wait_s: float) -> int:
-    async def quiet(exc: Exception) -> None:
-        pass
+def read_login(path: Path) -> dict[str, Any]:
+    """``nats.connect`` options from a dora credential file (user, password, inbox prefix)."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        login = {"user": record["user"], "password": record["password"]}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise Unavailable(f"cannot read the login in {path}: {exc}") from exc
+    if record.get("inbox_prefix"):
+        login["inbox_prefix"] = record["inbox_prefix"]  # the replies this login may read
+    return login
+
+
+async def produce(
+    prompts: list[dict[str, Any]], url: str, run: str, login: dict[str, Any], wait_s: float
+) -> int:
+    refused: list[str] = []
+
+    async def quiet(exc: Exception) -> None:  # the server's refusals come only this way
+        if "permissions violation" in str(exc).lower():
+            refused.append(str(exc).removeprefix("nats: "))
 
     try:
-        nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=5, error_cb=quiet)
+        nc = await nats.connect(
+            url, connect_timeout=2, max_reconnect_attempts=5, error_cb=quiet, **login
+        )
     except Exception as exc:  # nats-py raises several unrelated types for "nobody there"
-        raise Unavailable(f"no NATS server at {url} ({type(exc).__name__}: {exc})") from exc
+        raise Unavailable(f"cannot connect to {url} ({type(exc).__name__}: {exc})") from exc
     try:
         js = nc.jetstream()
         stream = f"DORA_{run}_PROMPTS".upper().replace("-", "_")
@@ -106,18 +133,27 @@ async def produce(prompts: list[dict[str, Any]], url: str, run: str, wait_s: flo
             try:
                 await js.stream_info(stream)
                 break
+            except TimeoutError:
+                if refused:
+                    raise Unavailable(f"the server refused: {refused[-1]}") from None
+                raise
             except NotFoundError:
                 if time.monotonic() >= deadline:
                     raise Unavailable(f"run {run} has no prompt stream after {wait_s:g}s") from None
                 await asyncio.sleep(0.5)
         stored = duplicates = 0
         for doc in prompts:
-            ack = await js.publish(
-                f"dora.{run}.prompts",
-                json.dumps(doc).encode(),
-                headers={"Nats-Msg-Id": doc["event_id"]},
-                timeout=60,  # a full work queue makes the publisher wait: that is backpressure
-            )
+            try:
+                ack = await js.publish(
+                    f"dora.{run}.prompts",
+                    json.dumps(doc).encode(),
+                    headers={"Nats-Msg-Id": doc["event_id"]},
+                    timeout=60,  # a full work queue makes the publisher wait: backpressure
+                )
+            except TimeoutError:
+                if refused:
+                    raise Unavailable(f"the server refused: {refused[-1]}") from None
+                raise
             duplicates += bool(ack.duplicate)
             stored += not ack.duplicate
     finally:
@@ -133,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--run-dir", type=Path, help="the run's folder (reads its run.json)")
     where.add_argument("--nats", help="NATS URL of the run's server")
     where.add_argument("--run", help="run id (`dora run --run-id ID` sets it)")
+    where.add_argument(
+        "--creds", type=Path, help="login file (JSON user/password); default: the run folder's"
+    )
     parser.add_argument("file", type=Path, nargs="?", help="JSON lines of Prompt objects")
     parser.add_argument("--count", type=int, default=0, help="generate N arithmetic prompts")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
@@ -160,8 +199,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: prompt {number} is not a valid Prompt: {reason}", file=sys.stderr)
             return INVALID
     try:
-        url, run = find_run(args.run_dir, args.wait) if args.run_dir else (args.nats, args.run)
-        return asyncio.run(produce(prompts, url, run, args.wait))
+        if args.run_dir:
+            url, run, login = find_run(args.run_dir, args.wait)
+        else:
+            url, run, login = args.nats, args.run, {}
+        if args.creds:
+            login = read_login(args.creds)
+        return asyncio.run(produce(prompts, url, run, login, args.wait))
     except Unavailable as exc:
         hint = " (an embedded server stops when its run ends)" if args.run_dir else ""
         print(f"error: {exc}{hint}", file=sys.stderr, flush=True)

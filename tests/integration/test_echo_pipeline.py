@@ -107,3 +107,23 @@ def test_unreachable_nats_fails_fast_naming_the_address(repo_root: Path, tmp_pat
     text = " ".join(result.output.split())  # rich wraps at 80 columns
     assert "nothing accepts connections" in text and "ConnectionRefused" in text
     assert "nats connection error" not in text  # no retry chatter before it
+
+
+def test_a_server_that_wants_a_login_gets_the_one_given(repo_root: Path, tmp_path: Path) -> None:
+    from dora.bus.auth import RunCredentials
+    from dora.bus.server import NatsServer
+
+    creds = RunCredentials.load_or_create(tmp_path / "site", "site")
+    pipeline = str(repo_root / "pipelines" / "echo.yaml")
+    with NatsServer(tmp_path / "nats", authorization=creds.server_authorization()) as server:
+        base = ["run", pipeline, "--nats", server.url]
+        refused = CliRunner().invoke(app, [*base, "--run-dir", str(tmp_path / "r1")])
+        assert refused.exit_code == 1
+        text = " ".join(refused.output.split())
+        assert "refused the login of an anonymous client" in text
+        login = str(tmp_path / "site" / "credentials" / "pipeline.json")
+        args = [*base, "--nats-creds", login, "--run-dir", str(tmp_path / "r2")]
+        accepted = CliRunner().invoke(app, args)
+        assert accepted.exit_code == 0, accepted.output
+        record = json.loads((tmp_path / "r2" / "run.json").read_text())
+        assert record["nats_creds"] == login and record["credentials"] is None

@@ -125,7 +125,7 @@ def test_no_server_is_a_one_line_error(tmp_path: Path) -> None:
         )
         assert result.returncode == 3
         assert result.stderr.splitlines() == [
-            "error: no NATS server at nats://127.0.0.1:1 (NoServersError: nats: no servers "
+            "error: cannot connect to nats://127.0.0.1:1 (NoServersError: nats: no servers "
             "available for connection)"
         ]
 
@@ -144,3 +144,59 @@ def test_producer_refuses_an_invalid_prompt_before_sending_anything(tmp_path: Pa
     assert result.stderr.strip() == (
         "error: prompt 2 is not a valid Prompt: (root): 'text' is a required property"
     )
+
+
+def test_examples_log_in_to_an_embedded_run_with_the_run_folders_credentials(
+    run_id: str, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    run = subprocess.Popen(
+        [*CLI, "run", str(PIPELINE), "--run-dir", str(run_dir), "--run-id", run_id],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    )
+    live = subprocess.Popen(
+        _example(CONSUMER, "--run-dir", str(run_dir), "--live", "--max", str(COUNT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert live.stderr is not None
+        assert live.stderr.readline().strip() == f"listening on dora.{run_id}.trajectories"
+        record = json.loads((run_dir / "run.json").read_text())
+        assert record["credentials"] == {
+            "reader": "credentials/reader.json",
+            "producer": "credentials/producer.json",
+        }
+        # the read-only login may not attach a consumer to the pipeline's own stream
+        durable = subprocess.run(
+            _example(CONSUMER, "--run-dir", str(run_dir), "--max", "1", "--wait", "30"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert durable.returncode == 3
+        assert "the server refused: permissions violation for publish to" in durable.stderr
+        assert "use --replay, or --live" in durable.stderr
+
+        produced = subprocess.run(
+            _example(PRODUCER, "--run-dir", str(run_dir), "--count", str(COUNT)),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert produced.returncode == 0, produced.stderr
+
+        out, _ = run.communicate(timeout=120)
+        assert run.returncode == 0, out
+        live_out, _ = live.communicate(timeout=60)
+        assert live.returncode == 0, live_out
+        assert live_out.splitlines()[-1] == f"validated {COUNT}, invalid 0"
+    finally:
+        for proc in (live, run):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

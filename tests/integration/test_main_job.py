@@ -41,7 +41,7 @@ async def first_char_is_digit(traj: Trajectory, ctx: Context) -> ScoredTrajector
 
 
 def build_pipeline(
-    tmp_path: Path, url: str, *, mode: str, steps: int, k: int, max_running: int = 32
+    tmp_path: Path, url: str | None, *, mode: str, steps: int, k: int, max_running: int = 32
 ) -> tuple[Pipeline, Path]:
     model, tok = build_model("tiny", seed=1, num_hidden_layers=2)
     model_dir = save_pretrained(model, tmp_path / "model", tok)

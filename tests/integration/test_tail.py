@@ -11,10 +11,11 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from dora.bus import ConsumerSpec, NatsBus
+from dora.bus import BusError, ConsumerSpec, NatsBus
+from dora.bus.auth import RunCredentials
 from dora.bus.server import NatsServer
 from dora.cli import app
-from dora.cli.tail_cmd import find_url, render, tail
+from dora.cli.tail_cmd import find_auth, find_url, render, tail
 from dora.events import EngineStatus
 from dora.subjects import Subjects
 from tests.unit.test_schemas import trajectory
@@ -165,3 +166,31 @@ def test_cli_tail_without_a_server_says_so(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["tail", "scored", "--run", "r", "--nats", url])
     assert result.exit_code == 1
     assert "unreachable or gone" in result.output
+
+
+async def test_tail_of_an_embedded_run_logs_in_read_only_from_the_run_folder(
+    tmp_path: Path,
+) -> None:
+    runs = tmp_path / "runs"
+    creds = RunCredentials.load_or_create(runs / "r1", "r1")
+    authorization = creds.server_authorization()
+    with NatsServer(runs / "r1" / "nats", authorization=authorization) as server:
+        subjects = Subjects("r1")
+        async with NatsBus(subjects, server.url, auth=creds.auth("pipeline")) as bus:
+            await bus.publish(subjects.metrics, b"m0", msg_id="m0")
+        auth = find_auth(None, "r1", runs, embedded=True)
+        assert auth is not None and auth.user == "reader"
+        console, out = _console()
+        count = await tail(
+            server.url,
+            "metrics",
+            "r1",
+            from_start=True,
+            raw=True,
+            max_count=1,
+            console=console,
+            auth=auth,
+        )
+        assert count == 1 and "m0" in out.getvalue()
+        with pytest.raises(BusError, match="refused the login of an anonymous client"):
+            await tail(server.url, "metrics", "r1", from_start=True, max_count=1, console=console)

@@ -12,6 +12,7 @@ import base64
 import contextlib
 import hashlib
 import io
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from urllib.parse import urlsplit
 
@@ -25,6 +26,7 @@ from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
+from dora.bus.auth import NatsAuth, required_permissions, tls_options
 from dora.bus.base import (
     BlobNotFound,
     Bus,
@@ -196,6 +198,11 @@ class _NatsSubscription(Subscription):
             await self._sub.unsubscribe()
 
 
+class _Refused(nats.errors.Error):
+    """The server refused our login, or its TLS certificate failed verification, while
+    connecting: retrying cannot help (nats-py would retry, or hang after a TLS error)."""
+
+
 class NatsBus(Bus):
     """JetStream-backed bus; ``url`` of a running nats-server with JetStream enabled."""
 
@@ -208,17 +215,23 @@ class NatsBus(Bus):
         create_streams: bool = True,
         reconnect_attempts: int = -1,
         outage_s: float | None = None,
+        auth: NatsAuth | None = None,
     ) -> None:
         """``create_streams=False`` for observers (``dora tail``) of a run started elsewhere:
         they must not create or reconfigure its streams. ``reconnect_attempts`` (-1: forever,
         every 0.2 s) bounds how long a client waits for a server that went away before its
         calls fail with ``nats.errors.ConnectionClosedError``. ``outage_s`` (default
         ``DORA_NATS_OUTAGE_S`` or 120): how long calls retry a server that is away before they
-        raise ``BusUnavailable`` (``dora.bus.outage``)."""
+        raise ``BusUnavailable`` (``dora.bus.outage``). ``auth``: credentials and TLS CA
+        (``dora.bus.auth``); a ``tls://`` URL always connects over verified TLS."""
         super().__init__(subjects, streams)
         self.url = url
         self.create_streams = create_streams
         self.reconnect_attempts = reconnect_attempts
+        self.auth = auth or NatsAuth()
+        self.permission_denied: str | None = None
+        """The server's last permissions violation for this client (it drops what it refuses
+        and tells only this callback; the refused call itself just times out)."""
         self.outage = Outage(url, outage_s_from_env() if outage_s is None else outage_s)
         self._error_reported = False
         self._nc: Client | None = None
@@ -244,7 +257,29 @@ class NatsBus(Bus):
     async def connect(self) -> None:
         self._closing = False
         await reachable(self.url)
-        self._nc = await nats.connect(
+        try:
+            self._nc = await self._open_connection()
+        except _Refused as exc:
+            raise BusError(str(exc)) from exc
+        if tls_options(self.url) and not self._nc._server_info.get("tls_required"):
+            # nats-py upgrades to TLS only when the server requires it: refuse plain text
+            await self._nc.close()
+            raise BusError(f"{self.url} asks for TLS but the server there does not offer it")
+        self._js = self._nc.jetstream(timeout=10.0)
+        if self.create_streams:
+            try:
+                for spec in self.streams:
+                    await self._ensure_stream(spec)
+            except TimeoutError as exc:
+                if self.permission_denied is None:
+                    raise
+                raise BusError(
+                    f"the NATS user at {self.url} lacks a permission dora needs "
+                    f"({self.permission_denied}); {required_permissions(self.subjects)}"
+                ) from exc
+
+    async def _open_connection(self) -> Client:
+        return await nats.connect(
             servers=[self.url],
             max_reconnect_attempts=self.reconnect_attempts,
             reconnect_time_wait=0.2,
@@ -252,15 +287,29 @@ class NatsBus(Bus):
             error_cb=self._on_error,
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
+            **self.auth.connect_options(self.url),
         )
-        self._js = self._nc.jetstream(timeout=10.0)
-        if self.create_streams:
-            for spec in self.streams:
-                await self._ensure_stream(spec)
 
     # one line per outage instead of nats-py's traceback per reconnect attempt (5 a second)
     async def _on_error(self, exc: Exception) -> None:
         error = f"{type(exc).__name__}: {exc}"
+        if self._nc is None:  # still connecting: leave nats-py's loop on what retries cannot fix
+            if "authorization violation" in error.lower():
+                who = f"user {self.auth.user!r}" if self.auth.user else "an anonymous client"
+                raise _Refused(
+                    f"the NATS server at {self.url} refused the login of {who} (wrong or "
+                    "missing credentials: a run's embedded server admits only the logins in "
+                    "its folder's credentials/)"
+                ) from exc
+            if isinstance(exc, ssl.SSLError):
+                raise _Refused(
+                    f"TLS with {self.url} failed: {exc} (a private CA: --nats-ca / "
+                    "NatsAuth.ca_file)"
+                ) from exc
+        if "permissions violation" in str(exc).lower():
+            self.permission_denied = str(exc).removeprefix("nats: ")
+            log.error("nats refused an operation", url=self.url, error=self.permission_denied)
+            return
         if self._closing or self._error_reported:
             log.debug("nats connection error", url=self.url, error=error)
             return

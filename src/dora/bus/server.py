@@ -22,8 +22,11 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Any
 
 import structlog
+
+from dora.bus.auth import write_private
 
 log = structlog.get_logger(__name__)
 
@@ -121,11 +124,15 @@ class NatsServer:
         port: int | None = None,
         binary: Path | None = None,
         max_payload: int = 8 * 1024 * 1024,
+        authorization: dict[str, Any] | None = None,
     ) -> None:
+        """``authorization``: nats-server's block of users and permissions
+        (``RunCredentials.server_authorization``); None admits anonymous clients."""
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
         self.binary = binary or find_nats_server()
         self.max_payload = max_payload
+        self.authorization = authorization
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -151,7 +158,10 @@ class NatsServer:
         for stale in self.store_dir.glob("*.ports"):
             stale.unlink(missing_ok=True)
         conf = self.store_dir / "nats.conf"
-        conf.write_text(f"max_payload: {self.max_payload}\n")
+        config: dict[str, Any] = {"max_payload": self.max_payload}
+        if self.authorization is not None:
+            config["authorization"] = self.authorization
+        write_private(conf, json.dumps(config, indent=2) + "\n")  # it holds the passwords
         log_file = (self.store_dir / "nats-server.log").open("ab")
         self._proc = subprocess.Popen(
             [

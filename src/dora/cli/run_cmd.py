@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from dora import interrupt
+from dora.bus.auth import CREDENTIALS_DIR, OUTSIDE_ROLES, NatsAuth
 from dora.logs import LEVELS
 from dora.logs import configure as configure_logs
 
@@ -131,10 +132,26 @@ def _announce(pipeline: Pipeline, console: Console) -> None:
     url = pipeline.connected_url
     console.print(f"nats [bold]{url}[/bold] run id [bold]{pipeline.run_id}[/bold]", highlight=False)
     path = pipeline.run_dir / RUN_FILE
+    creds = pipeline.credentials
+    outside = {}
+    if creds is not None:
+        outside = {r: str(creds.path(pipeline.run_dir, r)) for r in OUTSIDE_ROLES}
+        console.print(
+            f"outside services log in with {outside['reader']} (read-only) or "
+            f"{outside['producer']} (prompts only)",
+            highlight=False,
+            soft_wrap=True,
+        )
     with contextlib.suppress(OSError, ValueError):
         record = json.loads(path.read_text())
         record["url"] = url
+        # relative to the run folder, which an outside service is given
+        record["credentials"] = {r: f"{CREDENTIALS_DIR}/{r}.json" for r in outside} or None
         path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _path_or_none(value: object) -> Path | None:
+    return Path(str(value)) if value else None
 
 
 def _finished(run_dir: Path) -> bool:
@@ -215,7 +232,22 @@ def cli(
         typer.Argument(help="Pipeline YAML file, e.g. pipelines/quickstart.yaml."),
     ] = None,
     nats: Annotated[
-        str | None, typer.Option("--nats", help="NATS URL; default: start an embedded server.")
+        str | None,
+        typer.Option(
+            "--nats",
+            help="NATS URL (tls://... for TLS); default: an embedded server with per-run "
+            "credentials in RUN_DIR/credentials.",
+        ),
+    ] = None,
+    nats_creds: Annotated[
+        Path | None,
+        typer.Option(
+            "--nats-creds",
+            help="Login for --nats: JSON with user and password, or a NATS .creds file.",
+        ),
+    ] = None,
+    nats_ca: Annotated[
+        Path | None, typer.Option("--nats-ca", help="CA certificate for a tls:// --nats URL.")
     ] = None,
     run_dir: Annotated[
         Path | None, typer.Option("--run-dir", help="Run directory; default runs/<run_id>.")
@@ -284,14 +316,25 @@ def cli(
         info = _resume_target(resume)
         pipeline, run_id = Path(info["pipeline"]), str(info["run_id"])
         run_dir, nats = resume, nats or info.get("nats")
+        nats_creds = nats_creds or _path_or_none(info.get("nats_creds"))
+        nats_ca = nats_ca or _path_or_none(info.get("nats_ca"))
         overrides, max_steps = info.get("overrides") or [], info.get("max_steps")
     if pipeline is None:
         raise typer.BadParameter("give a PIPELINE file, or --resume RUN_DIR")
+    if (nats_creds or nats_ca) and not nats:
+        raise typer.BadParameter("--nats-creds and --nats-ca log in to a --nats server")
+    try:
+        auth = NatsAuth.from_file(nats_creds, nats_ca) if nats_creds else None
+        if auth is None and nats_ca:
+            auth = NatsAuth(ca_file=nats_ca)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     try:
         pipe = load_pipeline(
             pipeline,
             run_id=run_id,
             nats_url=nats,
+            nats_auth=auth,
             run_dir=run_dir,
             overrides=overrides or (),
             max_steps=max_steps,
@@ -324,6 +367,8 @@ def cli(
         "pipeline": str(pipeline.resolve()),
         "run_id": pipe.run_id,
         "nats": nats,
+        "nats_creds": str(nats_creds.resolve()) if nats_creds else None,
+        "nats_ca": str(nats_ca.resolve()) if nats_ca else None,
         "overrides": list(overrides or ()),
         "max_steps": max_steps,
     }

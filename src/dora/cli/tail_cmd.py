@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.text import Text
 
 from dora import events
+from dora.bus.auth import CREDENTIALS_DIR, NatsAuth
 from dora.contract import FAMILY_EVENTS
 from dora.subjects import DURABLE_FAMILIES, Subjects
 
@@ -106,11 +107,11 @@ def render(subject: str, data: bytes, family: str, seq: int = 0, raw: bool = Fal
 
 
 async def _messages(
-    url: str, subjects: Subjects, pattern: str, from_start: bool
+    url: str, subjects: Subjects, pattern: str, from_start: bool, auth: NatsAuth | None
 ) -> AsyncIterator[tuple[str, bytes, int]]:
     from dora.bus import NatsBus
 
-    bus = NatsBus(subjects, url, create_streams=False, reconnect_attempts=25)  # ~5 s
+    bus = NatsBus(subjects, url, create_streams=False, reconnect_attempts=25, auth=auth)  # ~5 s
     await bus.connect()
     try:
         if subjects.family_of(pattern) in DURABLE_FAMILIES:
@@ -134,6 +135,7 @@ async def tail(
     raw: bool = False,
     max_count: int = 0,
     console: Console | None = None,
+    auth: NatsAuth | None = None,
 ) -> int:
     """Print the messages of ``subject`` until ``max_count`` (0: forever); returns the count."""
     subjects = Subjects(run)
@@ -141,7 +143,7 @@ async def tail(
     family = subjects.family_of(pattern)
     console = console or Console()
     count = 0
-    async for subj, data, seq in _messages(url, subjects, pattern, from_start):
+    async for subj, data, seq in _messages(url, subjects, pattern, from_start, auth):
         console.print(render(subj, data, family, seq, raw), soft_wrap=True)
         count += 1
         if max_count and count >= max_count:
@@ -173,6 +175,15 @@ def find_url(nats_url: str | None, run: str, runs_dir: Path) -> str:
     )
 
 
+def find_auth(creds: Path | None, run: str, runs_dir: Path, embedded: bool) -> NatsAuth | None:
+    """``--nats-creds``, else the read-only login of the run's embedded server (its folder's
+    ``credentials/reader.json``), else none."""
+    if creds is not None:
+        return NatsAuth.from_file(creds)
+    reader = runs_dir / run / CREDENTIALS_DIR / "reader.json"
+    return NatsAuth.from_file(reader) if embedded and reader.is_file() else None
+
+
 def cli(
     subject: Annotated[
         str,
@@ -190,21 +201,45 @@ def cli(
     runs_dir: Annotated[Path, typer.Option("--runs-dir", help="Where run folders live.")] = Path(
         "runs"
     ),
+    nats_creds: Annotated[
+        Path | None,
+        typer.Option(
+            "--nats-creds",
+            help="Login (JSON user/password or .creds); default: the run folder's reader login.",
+        ),
+    ] = None,
 ) -> None:
     """Live, pretty-printed events of a running pipeline."""
     run_id = find_run(subject, run)
     url = find_url(nats_url, run_id, runs_dir)
+    try:
+        auth = find_auth(nats_creds, run_id, runs_dir, nats_url is None)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--nats-creds") from exc
     try:
         Subjects(run_id).resolve(subject)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="SUBJECT") from exc
     import nats.errors
 
+    from dora.bus import BusError
+
     try:
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(
-                tail(url, subject, run_id, from_start=from_start, raw=raw, max_count=max_count)
+                tail(
+                    url,
+                    subject,
+                    run_id,
+                    from_start=from_start,
+                    raw=raw,
+                    max_count=max_count,
+                    auth=auth,
+                )
             )
+    except BusError as exc:
+        typer.echo(f"dora tail: {exc}", err=True)
+        raise typer.Exit(1) from exc
     except (OSError, nats.errors.Error) as exc:
         typer.echo(
             f"dora tail: NATS server at {url} unreachable or gone ({type(exc).__name__})", err=True

@@ -17,9 +17,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import nats.errors
 import structlog
 
-from dora.bus import Bus, NatsBus, default_streams
+from dora.bus import Bus, BusError, NatsBus, default_streams
+from dora.bus.auth import NatsAuth, RunCredentials
 from dora.bus.server import NatsServer
 from dora.stage import Stage, StageError, StageRunner
 from dora.stages.replay_writer import ReplaySettings
@@ -53,6 +55,7 @@ class Pipeline:
         *,
         name: str = "pipeline",
         nats_url: str | None = None,
+        nats_auth: NatsAuth | None = None,
         run_dir: Path | None = None,
         stream_max_msgs: int = 100_000,
         drain_timeout: float = 30.0,
@@ -62,13 +65,18 @@ class Pipeline:
     ) -> None:
         """``stall_timeout``: seconds without progress in any stage after which the run fails
         with each stage's state and the dispatcher's ledger (None: wait forever).
-        ``replay``: keep a copy of these fan-out streams for late readers (replay writers)."""
+        ``replay``: keep a copy of these fan-out streams for late readers (replay writers).
+        ``nats_auth``: how to log in to ``nats_url`` (the embedded server needs none: it gets
+        per-run credentials, see ``dora.bus.auth``)."""
         if bus is not None and run_id is not None and bus.subjects.run != run_id:
             raise StageError(f"run_id {run_id!r} differs from the bus's {bus.subjects.run!r}")
         self.run_id = bus.subjects.run if bus is not None else (run_id or new_run_id(name))
         self.subjects = Subjects(self.run_id)
         self.name = name
         self.nats_url = nats_url
+        self.nats_auth = nats_auth
+        self.credentials: RunCredentials | None = None
+        """The embedded server's per-role credentials (None on an outside server)."""
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / self.run_id
         self.stream_max_msgs = stream_max_msgs
         self.drain_timeout = drain_timeout
@@ -119,19 +127,23 @@ class Pipeline:
     async def _open_bus(self) -> None:
         if self._bus is not None:
             return
-        url = self.nats_url
+        url, auth = self.nats_url, self.nats_auth
         if url is None:
+            self.credentials = RunCredentials.load_or_create(self.run_dir, self.run_id)
+            auth = self.credentials.auth("pipeline")
             # spawned on the loop's thread (it lives as long as the run), so the server's
             # parent-death signal fires only when the run's process dies
-            self._server = NatsServer(self.run_dir / "nats").spawn()
+            self._server = NatsServer(
+                self.run_dir / "nats", authorization=self.credentials.server_authorization()
+            ).spawn()
             await asyncio.to_thread(self._server.wait_ready)
             url = self._server.url
         limits = self.replay.limits if self.replay else None
         streams = default_streams(max_msgs=self.stream_max_msgs, replay=limits)
-        bus = NatsBus(self.subjects, url, streams=streams)
+        bus = NatsBus(self.subjects, url, streams=streams, auth=auth)
         try:
             await asyncio.wait_for(bus.connect(), timeout=self.connect_timeout)
-        except (TimeoutError, OSError) as exc:
+        except (TimeoutError, OSError, nats.errors.Error, BusError) as exc:
             with contextlib.suppress(Exception):
                 await bus.close()
             raise PipelineError(f"cannot connect to NATS at {url}: {exc or repr(exc)}") from exc

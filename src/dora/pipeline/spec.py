@@ -40,6 +40,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dora.bus import Bus
+from dora.bus.auth import NatsAuth
 from dora.pipeline.core import Pipeline
 from dora.pipeline.overrides import OverrideError, apply_overrides, max_steps_overrides
 from dora.registry import UnknownStageType, build_stage
@@ -152,6 +153,7 @@ def load_pipeline(
     run_id: str | None = None,
     bus: Bus | None = None,
     nats_url: str | None = None,
+    nats_auth: NatsAuth | None = None,
     run_dir: Path | None = None,
     overrides: Sequence[str] = (),
     max_steps: int | None = None,
@@ -167,6 +169,7 @@ def load_pipeline(
             bus=bus,
             name=name,
             nats_url=nats_url or spec.nats,
+            nats_auth=nats_auth,
             run_dir=run_dir,
             stream_max_msgs=spec.stream_max_msgs,
             drain_timeout=spec.drain_timeout_s,
