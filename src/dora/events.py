@@ -422,6 +422,12 @@ class VersionCounts(Model):
     dispatched: int = Field(default=0, ge=0, description="Groups tagged with this version.")
     finished: int = Field(default=0, ge=0, description="Groups whose every sample is scored.")
     consumed: int = Field(default=0, ge=0, description="Groups the learner trained on.")
+    abandoned: int = Field(
+        default=0,
+        ge=0,
+        description="Groups that can never finish: an engine refused one of their requests "
+        "after dispatch. Nobody waits for them and nobody trains on them.",
+    )
 
 
 class Ledger(Event):
@@ -436,6 +442,11 @@ class Ledger(Event):
     staleness_bound: int = Field(ge=0, description="K: a group of version u trains at step <= u+K.")
     batch_groups: int = Field(ge=1, description="B: groups per learner step.")
     versions: tuple[VersionCounts, ...] = ()
+    abandoned_groups: tuple[str, ...] = Field(
+        default=(),
+        description="The most recently abandoned group ids (see VersionCounts.abandoned): the "
+        "learner drops the samples of theirs it holds.",
+    )
 
 
 WIRE_TYPES: tuple[type[Event], ...] = (

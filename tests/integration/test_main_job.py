@@ -41,7 +41,14 @@ async def first_char_is_digit(traj: Trajectory, ctx: Context) -> ScoredTrajector
 
 
 def build_pipeline(
-    tmp_path: Path, url: str | None, *, mode: str, steps: int, k: int, max_running: int = 32
+    tmp_path: Path,
+    url: str | None,
+    *,
+    mode: str,
+    steps: int,
+    k: int,
+    max_running: int = 32,
+    engine: dict[str, int] | None = None,
 ) -> tuple[Pipeline, Path]:
     model, tok = build_model("tiny", seed=1, num_hidden_layers=2)
     model_dir = save_pretrained(model, tmp_path / "model", tok)
@@ -74,7 +81,7 @@ def build_pipeline(
             staleness_bound=k,
             max_tokens=6,
             max_running=max_running,
-            engine={"num_blocks": 256, "max_num_seqs": 32},
+            engine=engine or {"num_blocks": 256, "max_num_seqs": 32},
         )
     )
     pipeline.add(PromptSource(task="arithmetic", count=400))

@@ -231,3 +231,28 @@ def test_retagged_groups_count_under_their_admitted_version() -> None:
     assert batch is not None and batch.staleness() == [0]
     buf.mark_consumed(batch.groups)
     assert buf.consumed_by_version == {1: 1}
+
+
+def test_an_abandoned_group_is_not_waited_for_and_never_trained() -> None:
+    """The dispatcher abandoned ``old2`` (an engine refused one of its requests): the learner
+    stops waiting for it at its deadline, drops the sample it held and ignores later ones."""
+    k, b = 2, 2
+    buf = GroupBuffer(staleness_bound=k)
+    sel = BatchSelector(buf, batch_groups=b)
+    add_group(buf, "old1", 0, step=2)
+    add_group(buf, "new1", 1, step=2)
+    buf.add(make_scored(group_id="old2", group_index=0, group_size=2, version=0), step=2)
+    counts = (VersionCounts(version=0, dispatched=2), VersionCounts(version=1, dispatched=1))
+    waiting = Ledger(learner_step=2, staleness_bound=k, batch_groups=b, versions=counts)
+    assert sel.urgent_missing(2, waiting) == {0: 1} and sel.select(2, waiting, now=0.0) is None
+
+    settled = (counts[0].model_copy(update={"abandoned": 1}), counts[1])
+    led = waiting.model_copy(update={"versions": settled, "abandoned_groups": ("old2",)})
+    assert buf.abandon(led.abandoned_groups) == 1 and "old2" not in buf.partial
+    assert buf.abandon(led.abandoned_groups) == 0  # the ledger is read again and again
+    late = make_scored(group_id="old2", group_index=1, group_size=2, version=0)
+    assert buf.add(late, step=2) is AddOutcome.ABANDONED
+    assert sel.urgent_missing(2, led) == {}
+    batch = sel.select(2, led, now=1.0)
+    assert batch is not None and [g.group_id for g in batch.groups] == ["old1", "new1"]
+    assert "old2" not in {s.trajectory.request.group_id for s in buf.buffered_events()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -337,3 +338,57 @@ def test_a_prompt_longer_than_the_context_is_refused_before_a_group_exists() -> 
     assert admission.admitted and all(len(r.prompt_token_ids) == 8 for r in admission.requests)
     assert calls == ["x" * 9, "x" * 8]  # each prompt tokenized once
     assert d.ledger().versions[0].dispatched == 1  # the long one left no group behind
+
+
+def test_a_request_an_engine_refused_abandons_its_group() -> None:
+    """A refused request's group can never finish: it leaves the staleness budget (admission
+    reopens), the ledger counts and lists it for the learner, its siblings' late samples are
+    no-ops, and a restart keeps all of that."""
+    d = make(group_size=2, batch_groups=2, staleness_bound=1)
+    groups = [d.admit(prompt(i), [0]).requests for i in range(4)]
+    assert not d.admit(prompt(9), [0]).admitted  # (K+1)*B = 4 in flight
+    doomed = groups[0]
+    d.on_finished(doomed[1].request_id)  # a sibling finished before the refusal
+    assert d.on_abandoned(doomed[0].request_id) == doomed[0].group_id
+    assert d.on_abandoned(doomed[0].request_id) is None  # a second letter changes nothing
+    assert d.on_abandoned("forged/0") is None
+    assert d.on_abandoned(groups[1][0].request_id) is not None
+    d.on_finished(groups[2][0].request_id)
+    assert d.on_abandoned(groups[2][0].request_id) is None  # its result exists already
+
+    ledger = d.ledger()
+    (v0,) = ledger.versions
+    assert (v0.dispatched, v0.abandoned, v0.consumed) == (4, 2, 0)
+    assert ledger.abandoned_groups == (doomed[0].group_id, groups[1][0].group_id)
+    assert d.in_flight() == 2 and d.admit(prompt(10), [0]).admitted
+    assert d.on_finished(doomed[1].request_id, doomed[1].group_id) is False  # settled
+    assert not any(u.group_id == doomed[0].group_id for u in d.urgent(horizon=10))
+
+    e = make(group_size=2, batch_groups=2, staleness_bound=1)
+    e.restore(type(d.snapshot()).model_validate_json(d.snapshot().model_dump_json()))
+    after = d.ledger()
+    assert (e.ledger().versions, e.ledger().abandoned_groups) == (
+        after.versions,
+        after.abandoned_groups,
+    )
+    assert e.on_finished(doomed[1].request_id, doomed[1].group_id) is False
+
+
+def test_one_step_off_does_not_wait_for_an_abandoned_group() -> None:
+    d = make(mode="one_step_off", group_size=1, batch_groups=2)
+    first = [d.admit(prompt(i), [0]).requests for i in range(2)]
+    d.on_finished(first[0][0].request_id)
+    assert d.capacity(0) == 0  # batch 0 is still generating
+    d.on_abandoned(first[1][0].request_id)
+    assert d.capacity(0) == 2  # it never will finish: the next batch may start
+
+
+def test_a_snapshot_from_before_abandonment_still_restores() -> None:
+    d = make(group_size=2, batch_groups=2)
+    d.admit(prompt(1), [0])
+    raw = d.snapshot().model_dump(mode="json")
+    raw["counts"] = {v: c[:3] for v, c in raw["counts"].items()}
+    del raw["abandoned"]
+    e = make(group_size=2, batch_groups=2)
+    e.restore(type(d.snapshot()).model_validate_json(json.dumps(raw)))
+    assert e.ledger().versions == d.ledger().versions

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -48,6 +49,9 @@ class AddOutcome(Enum):
     COMPLETED = "completed"
     DUPLICATE = "duplicate"
     REFUSED = "refused"
+    ABANDONED = "abandoned"
+    """A sample of a group the dispatcher abandoned (one of its requests was refused by an
+    engine): it can never be complete, so it is never trained on."""
 
 
 @dataclass
@@ -170,6 +174,8 @@ class GroupBuffer:
         self.ready: dict[str, Group] = {}
         self.consumed: set[str] = set()
         self.refused: set[str] = set()
+        self.abandoned: set[str] = set()
+        self.abandoned_samples = 0
         self.consumed_by_version: Counter[int] = Counter()
         self.refused_by_version: Counter[int] = Counter()
         self.duplicates = 0
@@ -194,6 +200,9 @@ class GroupBuffer:
         if gid in self.consumed or gid in self.refused:
             self.duplicates += 1
             return AddOutcome.DUPLICATE
+        if gid in self.abandoned:
+            self.abandoned_samples += 1
+            return AddOutcome.ABANDONED
         group = self.ready.get(gid) or self.partial.get(gid)
         version = sample_version(scored)
         if group is None:
@@ -239,6 +248,20 @@ class GroupBuffer:
             staleness=step - group.version,
             bound=self.k,
         )
+
+    def abandon(self, group_ids: Iterable[str]) -> int:
+        """Drop the groups the dispatcher abandoned (from its ledger); their later samples are
+        ``ABANDONED``. Returns how many held samples were dropped."""
+        dropped = 0
+        for gid in group_ids:
+            if gid in self.abandoned or gid in self.consumed or gid in self.refused:
+                continue
+            self.abandoned.add(gid)
+            group = self.partial.pop(gid, None)
+            if group is not None:
+                dropped += len(group.members)
+        self.abandoned_samples += dropped
+        return dropped
 
     def mark_consumed(self, groups: list[Group]) -> None:
         for g in groups:
@@ -294,7 +317,8 @@ class BatchSelector:
         for counts in ledger.versions:
             if counts.version + self.buffer.k != step:
                 continue
-            out = counts.dispatched - self.buffer.known_complete(counts.version)
+            settled = counts.abandoned + self.buffer.known_complete(counts.version)
+            out = counts.dispatched - settled
             if out > 0:
                 missing[counts.version] = out
         return missing

@@ -118,5 +118,8 @@ class ScoredIntake(LearnerBase):
                 ledger=ledger.staleness_bound,
                 learner=self.config.staleness_bound,
             )
+        dropped = self.buffer.abandon(ledger.abandoned_groups)
+        if dropped:
+            log.warning("abandoned_groups_dropped", samples=dropped)
         self._ledger = ledger
         return ledger

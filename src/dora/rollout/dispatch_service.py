@@ -7,7 +7,9 @@ never an unbounded buffer. Observations feed the pure ``Dispatcher``:
 - engine assignments from ``EngineStatus`` (which versions have an engine),
 - finished samples from ``scored`` (a group is finished when all its samples are scored),
 - consumption from the learner's ``Metrics`` (``consumed_groups``, and its step),
-- published versions from ``weights``.
+- published versions from ``weights``,
+- requests an engine refused after dispatch, from ``deadletter``: their groups can never
+  finish, so they are abandoned (settled: nobody waits for them or trains on them).
 
 Every change rewrites the ``Ledger`` (KV key ``ledger``) the learner and orchestrator read,
 and the dispatcher's own state (KV key ``dispatcher``, ``dora.rollout.dispatcher_snapshot``)
@@ -19,6 +21,7 @@ Request event ids are derived from request ids, so a re-publish after a crash is
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 from dataclasses import dataclass, field
 
@@ -27,6 +30,7 @@ import structlog
 from dora.aio import cancel_all
 from dora.bus import Bus, ConsumerSpec, Message, Subscription
 from dora.events import (
+    DeadLetter,
     EngineStatus,
     Metrics,
     Prompt,
@@ -37,6 +41,7 @@ from dora.events import (
 from dora.rollout.dispatcher import Dispatcher, PromptRefused, Tokenize
 from dora.rollout.dispatcher_snapshot import SNAPSHOT_KEY, DispatcherSnapshot
 from dora.stage.deadletter import build_dead_letter, parse_event
+from dora.subjects import Subjects
 from dora.versions import check_published
 
 log = structlog.get_logger(__name__)
@@ -59,6 +64,8 @@ class DispatchStats:
     groups: int = 0
     requests: int = 0
     refusals: dict[str, int] = field(default_factory=dict)
+    abandoned: int = 0
+    """Groups abandoned because an engine refused one of their requests."""
 
 
 class DispatchService:
@@ -94,12 +101,14 @@ class DispatchService:
             "scored": await self.bus.consumer(ConsumerSpec("dispatcher", s.scored)),
             "metrics": await self.bus.consumer(ConsumerSpec("dispatcher", s.metrics)),
             "weights": await self.bus.consumer(ConsumerSpec("dispatcher", s.weights)),
+            "deadletter": await self.bus.consumer(ConsumerSpec("dispatcher", s.deadletter)),
         }
         prompts = await self.bus.consumer(
             ConsumerSpec("dispatcher", s.prompts, max_ack_pending=1, ack_wait_s=PROMPT_ACK_WAIT_S)
         )
         tasks = [
             asyncio.create_task(self._watch_status(status)),
+            asyncio.create_task(self._watch_refused_requests(consumers["deadletter"])),
             *(
                 asyncio.create_task(self._watch(consumers[name], handle, model))
                 for name, handle, model in (
@@ -239,6 +248,23 @@ class DispatchService:
                 await msg.ack()
             self._changed.set()
 
+    async def _watch_refused_requests(self, consumer: object) -> None:
+        """Abandon the group of every request a generator dead-lettered. Any other dead
+        letter is none of the dispatcher's business (and is never dead-lettered again)."""
+        while True:
+            msgs = await consumer.fetch(batch=256, timeout=1.0)  # type: ignore[attr-defined]
+            if not msgs:
+                continue
+            async with self._lock:
+                for msg in msgs:
+                    request_id = refused_request_id(msg.data, self.bus.subjects)
+                    if request_id and self.dispatcher.on_abandoned(request_id):
+                        self.stats.abandoned += 1
+            await self._write_ledger()
+            for msg in msgs:
+                await msg.ack()
+            self._changed.set()
+
     async def _on_scored(self, scored: ScoredTrajectory) -> None:
         request = scored.trajectory.request
         self.dispatcher.on_finished(request.request_id, request.group_id, request.dispatch_version)
@@ -260,4 +286,29 @@ class DispatchService:
         self.dispatcher.observe_weights(event.version)
 
 
-__all__ = ["LEDGER_KEY", "DispatchService", "Tokenize", "request_event_id"]
+def refused_request_id(data: bytes, subjects: Subjects) -> str | None:
+    """The request id in a generator's dead letter of a request (None for any other)."""
+    letter, _ = parse_event(DeadLetter, data)
+    if letter is None or not letter.stage.startswith("generator:"):
+        return None
+    try:
+        if subjects.family_of(letter.subject) != "requests":
+            return None
+        raw = (
+            base64.b64decode(letter.payload)
+            if letter.payload_encoding == "base64"
+            else letter.payload.encode()
+        )
+    except ValueError:
+        return None
+    request, _ = parse_event(RolloutRequest, raw)
+    return None if request is None else request.request_id
+
+
+__all__ = [
+    "LEDGER_KEY",
+    "DispatchService",
+    "Tokenize",
+    "refused_request_id",
+    "request_event_id",
+]

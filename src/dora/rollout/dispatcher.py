@@ -132,6 +132,8 @@ def _group_id(prompt_id: str, occurrence: int) -> str:
 
 _CONSUMED_MEMORY = 65_536
 """Consumed group ids remembered; far more than can be in flight between two subjects."""
+_ABANDONED_MEMORY = 1024
+"""Abandoned group ids listed in the ledger (a learner reads it every second or so)."""
 _SNAPSHOT_CONSUMED = 1024
 """Of those, kept across a restart at least (a resumed learner re-reports recent ones)."""
 
@@ -148,7 +150,10 @@ class Dispatcher:
         self._groups: dict[str, _Group] = {}
         self._group_of: dict[str, str] = {}
         self._consumed: OrderedDict[str, None] = OrderedDict()
-        """Recently consumed group ids: the learner's report may overtake the last ``scored``."""
+        """Recently settled (consumed or abandoned) group ids: the learner's report may
+        overtake the last ``scored``, and siblings of an abandoned request still finish."""
+        self._abandoned: OrderedDict[str, None] = OrderedDict()
+        """Recently abandoned group ids, for the ledger (the learner drops their samples)."""
         self._occurrences: Counter[str] = Counter()
         self.last_prompt: str | None = None
         """Event id of the last prompt admitted (a redelivery of it is not admitted twice)."""
@@ -210,7 +215,7 @@ class Dispatcher:
         dispatched = sum(c.dispatched for c in counts)
         if dispatched % b:
             return b - dispatched % b  # finish admitting the batch in progress
-        if sum(c.finished for c in counts) < dispatched:
+        if sum(c.finished + c.abandoned for c in counts) < dispatched:
             return 0  # the previous batch is still generating
         return b if version >= dispatched // b - 1 else 0
 
@@ -327,6 +332,33 @@ class Dispatcher:
             return True
         return False
 
+    def on_abandoned(self, request_id: str) -> str | None:
+        """An engine refused this dispatched request at admission (it was dead-lettered): its
+        group can never finish. The group is settled as abandoned: it leaves the staleness
+        budget, the learner stops waiting for it and never trains on the rest of it. Returns
+        the group id, or None for a request not in flight here (forged, or already scored)."""
+        gid = self._group_of.get(request_id)
+        if gid is None:
+            return None
+        group = self._groups[gid]
+        if request_id in group.done:
+            return None  # its result exists: a late refusal of a redelivery changes nothing
+        del self._groups[gid]
+        for rid in group.request_ids:
+            self._group_of.pop(rid, None)
+        self.ledger_state.counts(group.version).abandoned += 1
+        self._remember(self._consumed, gid, _CONSUMED_MEMORY)
+        self._remember(self._abandoned, gid, _ABANDONED_MEMORY)
+        self.revision += 1
+        self._log.warning("group_abandoned", group=gid, version=group.version, request=request_id)
+        return gid
+
+    @staticmethod
+    def _remember(memory: OrderedDict[str, None], gid: str, limit: int) -> None:
+        memory[gid] = None
+        while len(memory) > limit:
+            memory.popitem(last=False)
+
     def on_consumed(self, group_ids: Iterable[str], learner_step: int | None = None) -> None:
         """The learner trained on these groups (at ``learner_step - 1``, if given).
 
@@ -349,9 +381,7 @@ class Dispatcher:
             for rid in group.request_ids:
                 self._group_of.pop(rid, None)
             del self._groups[gid]
-            self._consumed[gid] = None
-            while len(self._consumed) > _CONSUMED_MEMORY:
-                self._consumed.popitem(last=False)
+            self._remember(self._consumed, gid, _CONSUMED_MEMORY)
         if learner_step is not None:
             self.observe_learner_step(learner_step)
 
@@ -366,7 +396,10 @@ class Dispatcher:
             group_size=self.config.group_size,
             newest_version=self.newest_version,
             learner_step=ledger.learner_step,
-            counts={v: (c.dispatched, c.finished, c.consumed) for v, c in ledger.versions.items()},
+            counts={
+                v: (c.dispatched, c.finished, c.consumed, c.abandoned)
+                for v, c in ledger.versions.items()
+            },
             groups=[
                 OpenGroup(
                     group_id=g.group_id,
@@ -377,6 +410,7 @@ class Dispatcher:
                 for g in self._groups.values()
             ],
             consumed=list(self._consumed)[-keep:],
+            abandoned=list(self._abandoned),
             repeats={p: n for p, n in self._occurrences.items() if n > 1},
             last_prompt=self.last_prompt,
             unpublished=list(self.unpublished),
@@ -399,6 +433,7 @@ class Dispatcher:
             self._groups[g.group_id] = _Group(g.group_id, g.version, ids, {ids[i] for i in g.done})
             self._group_of.update(dict.fromkeys(ids, g.group_id))
         self._consumed = OrderedDict.fromkeys(snap.consumed)
+        self._abandoned = OrderedDict.fromkeys(snap.abandoned)
         self._occurrences = Counter(snap.repeats)
         self.last_prompt = snap.last_prompt
         self.unpublished = tuple(snap.unpublished)
@@ -408,7 +443,8 @@ class Dispatcher:
 
     def ledger(self) -> Ledger:
         """The ``Ledger`` event to write under the KV key ``ledger``."""
-        return self.ledger_state.to_event()
+        ledger = self.ledger_state.to_event()
+        return ledger.model_copy(update={"abandoned_groups": tuple(self._abandoned)})
 
     def urgent(self, horizon: int | None = None) -> list[UrgentGroup]:
         """Unfinished groups whose deadline is within ``horizon`` steps, oldest first."""

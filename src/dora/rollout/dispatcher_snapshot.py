@@ -39,11 +39,14 @@ class DispatcherSnapshot(BaseModel):
     group_size: int
     newest_version: int = 0
     learner_step: int = 0
-    counts: dict[int, tuple[int, int, int]] = Field(default_factory=dict)
-    """Per version: groups dispatched, finished, consumed."""
+    counts: dict[int, tuple[int, ...]] = Field(default_factory=dict)
+    """Per version: groups dispatched, finished, consumed and abandoned (snapshots written
+    before abandonment existed have the first three)."""
     groups: list[OpenGroup] = Field(default_factory=list)
     consumed: list[str] = Field(default_factory=list)
     """Recently consumed group ids, oldest first (late ``scored`` samples of them are no-ops)."""
+    abandoned: list[str] = Field(default_factory=list)
+    """Recently abandoned group ids, oldest first (also in ``consumed``: settled)."""
     repeats: dict[str, int] = Field(default_factory=dict)
     """Prompt ids admitted more than once, with their count (unique ids are the rule)."""
     last_prompt: str | None = None

@@ -37,10 +37,13 @@ class Counts:
     dispatched: int = 0
     finished: int = 0
     consumed: int = 0
+    abandoned: int = 0
+    """Groups that can never finish (an engine refused one of their requests)."""
 
     @property
     def unconsumed(self) -> int:
-        return self.dispatched - self.consumed
+        """Groups still to be trained on (abandoned ones never will be: they are settled)."""
+        return self.dispatched - self.consumed - self.abandoned
 
 
 @dataclass
@@ -101,6 +104,7 @@ class StalenessLedger:
                     dispatched=self.versions[v].dispatched,
                     finished=self.versions[v].finished,
                     consumed=self.versions[v].consumed,
+                    abandoned=self.versions[v].abandoned,
                 )
                 for v in keep
             ),
