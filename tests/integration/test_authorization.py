@@ -19,7 +19,7 @@ import pytest
 from nats.js import api
 
 from dora.bus import NatsBus, default_streams
-from dora.bus.auth import NatsAuth, RunCredentials
+from dora.bus.auth import NatsAuth, RunCredentials, StageGrant, stage_login
 from dora.bus.server import NatsServer
 from dora.events import ScoredTrajectory, Trajectory
 from dora.subjects import Subjects
@@ -149,6 +149,36 @@ async def test_reader_reads_everything_and_can_take_or_write_nothing(secured: An
         await reader.close()
 
 
+async def test_a_stage_login_writes_only_what_its_stage_declares(tmp_path: Path) -> None:
+    """As the verifier: scored yes; weights, metrics, trajectories, another stage's KV key,
+    deleting a stream no."""
+    creds = RunCredentials.load_or_create(tmp_path / "run", RUN, ["verifier"])
+    grant = StageGrant(frozenset({"scored", "deadletter"}), ("sink.verifier.>",))
+    authorization = creds.server_authorization({"verifier": grant})
+    with NatsServer(tmp_path / "nats", authorization=authorization) as server:
+        s = Subjects(RUN)
+        bus = NatsBus(s, server.url, streams=default_streams(), auth=creds.auth("pipeline"))
+        await bus.connect()
+        await bus.kv_put("ledger", b"{}")
+        verifier = await Client().connect(server.url, creds.auth(stage_login("verifier")))
+        try:
+            js = verifier.nc.jetstream(timeout=2)
+            assert (await js.publish(s.scored, b"{}")).stream == s.stream("scored")
+            kv = await js.key_value(s.kv_bucket)
+            await kv.put("sink.verifier.counted", b"1")
+            for subject in (s.weights, s.metrics, s.trajectories, s.requests(0), s.prompts):
+                assert await verifier.publish_refused(subject), subject
+            assert await verifier.publish_refused(f"$KV.{s.kv_bucket}.ledger")
+            before = len(verifier.refusals)
+            with pytest.raises(TimeoutError):
+                await js.delete_stream(s.stream("scored"))
+            assert await verifier.refused_since(before, "stream.delete")
+            assert (await bus.stream_info(s.scored)).last_seq == 1  # still there, untouched
+        finally:
+            await verifier.close()
+            await bus.close()
+
+
 async def test_reader_attaches_its_own_consumer_to_the_replay_stream(tmp_path: Path) -> None:
     creds = RunCredentials.load_or_create(tmp_path / "run", RUN)
     with NatsServer(tmp_path / "nats", authorization=creds.server_authorization()) as server:
@@ -209,17 +239,22 @@ async def test_forged_groups_from_outside_logins_never_reach_a_live_run(tmp_path
         url = pipeline.connected_url
         with pytest.raises(nats.errors.Error, match="Authorization Violation"):
             await Client().connect(url)
-        for role in ("reader", "producer"):  # the files an outside service is given
-            auth = NatsAuth.from_file(run_dir / "credentials" / f"{role}.json")
+        for login in ("reader", "producer", "stage-learner", "stage-first_char_is_digit"):
+            auth = NatsAuth.from_file(run_dir / "credentials" / f"{login}.json")
             clients.append(await Client().connect(url, auth))
         s = pipeline.subjects
-        # before any real sample exists, so the learner would take these first
-        for n, who in enumerate(clients):
+        # before any real sample exists, so the learner would take these first: neither an
+        # outside login nor the learner's own may publish scored samples
+        reader, producer, learner, verifier = clients
+        for n, who in enumerate((reader, producer, learner)):
             for payload in forged_group(f"forged-{n}"):
                 assert await who.publish_refused(s.scored, payload)
             assert await who.publish_refused(s.trajectories, b'{"event_id": "forged-t"}')
+        # only the learner announces versions and steps
+        for who in (reader, producer, verifier):
             assert await who.publish_refused(s.metrics, b'{"step": 500, "values": {}}')
             assert await who.publish_refused(s.weights, b'{"version": 99}')
+            assert await who.publish_refused(f"$KV.{s.kv_bucket}.weights.v99")
         for client in clients:
             await client.close()
         clients.clear()

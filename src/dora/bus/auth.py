@@ -3,7 +3,11 @@
 The embedded server admits no anonymous client. Each run gets one password per role, generated
 into ``RUN_DIR/credentials/<role>.json`` (mode 0600) and kept for ``--resume``:
 
-- ``pipeline``: dora's own processes (every stage); all of the run's subjects.
+- ``pipeline``: dora's own process (its control of the run); all of the run's subjects.
+- ``stage-<name>``: one per stage, which connects with it. It publishes only on the subject
+  families the stage declares (``emits``, ``publishes``, and ``deadletter``) and writes only
+  its declared KV keys: the learner alone announces weights and metrics, verifiers alone
+  publish scored trajectories, generators alone trajectories.
 - ``reader``: outside consumers. Reads every durable stream by sequence, subscribes to the live
   subjects, and attaches its own consumers to the replay stream only: it can neither take work
   from the pipeline's consumers nor hold back an interest stream. Publishes nothing.
@@ -18,6 +22,8 @@ import json
 import os
 import secrets
 import ssl
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -145,8 +151,33 @@ def permissions(role: Role, subjects: Subjects) -> dict[str, Any] | None:
     raise ValueError(f"unknown NATS role {role!r}; expected one of {', '.join(ROLES)}")
 
 
+def stage_login(stage: str) -> str:
+    return f"stage-{stage}"
+
+
+@dataclass(frozen=True)
+class StageGrant:
+    """What one stage's login may write: subject families and KV keys."""
+
+    families: frozenset[str]
+    kv_keys: tuple[str, ...] = ()
+
+
+def stage_permissions(subjects: Subjects, grant: StageGrant) -> dict[str, Any]:
+    """A stage publishes on its families and writes its KV keys; JetStream's API (consumers,
+    acks, its KV bucket and blob store) it uses freely, but it may not delete or reconfigure
+    a stream or remove stored messages."""
+    allow = []
+    for family in sorted(grant.families):
+        allow += [subjects.family(family), f"{subjects.family(family)}.>"]
+    allow += [f"$KV.{subjects.kv_bucket}.{key}" for key in grant.kv_keys]
+    allow += [f"$O.{subjects.blob_bucket}.>", "$JS.API.>", "$JS.ACK.>", "$JS.FC.>", "_INBOX.>"]
+    deny = ["$JS.API.STREAM.DELETE.>", "$JS.API.STREAM.UPDATE.>", "$JS.API.STREAM.MSG.DELETE.>"]
+    return {"publish": {"allow": allow, "deny": deny}}
+
+
 class RunCredentials(BaseModel):
-    """One password per role for one run."""
+    """One password per login (role or stage) for one run."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -154,48 +185,49 @@ class RunCredentials(BaseModel):
     passwords: dict[str, str]
 
     @classmethod
-    def generate(cls, run_id: str) -> RunCredentials:
-        return cls(run_id=run_id, passwords={r: secrets.token_urlsafe(24) for r in ROLES})
-
-    @classmethod
-    def load_or_create(cls, run_dir: Path, run_id: str) -> RunCredentials:
-        """The run folder's credentials (a resumed run keeps its own), created on first use."""
+    def load_or_create(
+        cls, run_dir: Path, run_id: str, stages: Iterable[str] = ()
+    ) -> RunCredentials:
+        """The run folder's logins (a resumed run keeps its own); missing ones are created."""
+        logins = [*ROLES, *(stage_login(name) for name in stages)]
         folder = Path(run_dir) / CREDENTIALS_DIR
         passwords: dict[str, str] = {}
-        for role in ROLES:
-            path = folder / f"{role}.json"
-            if not path.is_file():
-                break
-            auth = NatsAuth.from_file(path)
-            passwords[role] = auth.password or ""
-        else:
-            return cls(run_id=run_id, passwords=passwords)
-        creds = cls.generate(run_id)
-        creds.save(run_dir)
+        for login in logins:
+            path = folder / f"{login}.json"
+            if path.is_file():
+                passwords[login] = NatsAuth.from_file(path).password or ""
+        fresh = [login for login in logins if login not in passwords]
+        passwords.update({login: secrets.token_urlsafe(24) for login in fresh})
+        creds = cls(run_id=run_id, passwords=passwords)
+        creds.save(run_dir, fresh)
         return creds
 
-    def auth(self, role: Role) -> NatsAuth:
-        return NatsAuth(user=role, password=self.passwords[role], inbox_prefix=inbox_prefix(role))
+    def auth(self, login: str) -> NatsAuth:
+        prefix = inbox_prefix(login) if login in ROLES else None  # type: ignore[arg-type]
+        return NatsAuth(user=login, password=self.passwords[login], inbox_prefix=prefix)
 
-    def path(self, run_dir: Path, role: Role) -> Path:
-        return Path(run_dir) / CREDENTIALS_DIR / f"{role}.json"
+    def path(self, run_dir: Path, login: str) -> Path:
+        return Path(run_dir) / CREDENTIALS_DIR / f"{login}.json"
 
-    def save(self, run_dir: Path) -> None:
+    def save(self, run_dir: Path, logins: Iterable[str]) -> None:
         folder = Path(run_dir) / CREDENTIALS_DIR
         folder.mkdir(parents=True, exist_ok=True)
         folder.chmod(0o700)
-        for role in ROLES:
+        for login in logins:
             record = {
-                "role": role,
+                "user": login,
+                "password": self.passwords[login],
+                "inbox_prefix": self.auth(login).inbox_prefix,
                 "run_id": self.run_id,
-                "user": role,
-                "password": self.passwords[role],
-                "inbox_prefix": inbox_prefix(role),
             }
-            write_private(self.path(run_dir, role), json.dumps(record, indent=2) + "\n")
+            write_private(self.path(run_dir, login), json.dumps(record, indent=2) + "\n")
 
-    def server_authorization(self) -> dict[str, Any]:
-        """The nats-server ``authorization`` block: one user per role, no anonymous access."""
+    def server_authorization(
+        self, grants: Mapping[str, StageGrant] | None = None
+    ) -> dict[str, Any]:
+        """The nats-server ``authorization`` block: one user per login, no anonymous access.
+        ``grants``: per stage name, what its login may write (a stage without one has no
+        login)."""
         subjects = Subjects(self.run_id)
         users = []
         for role in ROLES:
@@ -204,6 +236,15 @@ class RunCredentials(BaseModel):
             if perms is not None:
                 user["permissions"] = perms
             users.append(user)
+        for name, grant in sorted((grants or {}).items()):
+            login = stage_login(name)
+            users.append(
+                {
+                    "user": login,
+                    "password": self.passwords[login],
+                    "permissions": stage_permissions(subjects, grant),
+                }
+            )
         return {"users": users}
 
 
@@ -219,5 +260,6 @@ def required_permissions(subjects: Subjects) -> str:
     """What dora's own user needs on a NATS server it did not start (README, errors)."""
     return (
         f"dora's user needs publish and subscribe on {subjects.root}.>, $JS.API.>, $JS.ACK.>, "
+        "$JS.FC.>, "
         f"$KV.{subjects.kv_bucket}.>, $O.{subjects.blob_bucket}.> and _INBOX.>"
     )

@@ -21,7 +21,7 @@ import nats.errors
 import structlog
 
 from dora.bus import Bus, BusError, NatsBus, default_streams
-from dora.bus.auth import NatsAuth, RunCredentials
+from dora.bus.auth import NatsAuth, RunCredentials, StageGrant, stage_login
 from dora.bus.server import NatsServer
 from dora.stage import Stage, StageError, StageRunner
 from dora.stages.replay_writer import ReplaySettings
@@ -77,6 +77,7 @@ class Pipeline:
         self.nats_auth = nats_auth
         self.credentials: RunCredentials | None = None
         """The embedded server's per-role credentials (None on an outside server)."""
+        self._stage_buses: list[NatsBus] = []
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / self.run_id
         self.stream_max_msgs = stream_max_msgs
         self.drain_timeout = drain_timeout
@@ -129,26 +130,48 @@ class Pipeline:
             return
         url, auth = self.nats_url, self.nats_auth
         if url is None:
-            self.credentials = RunCredentials.load_or_create(self.run_dir, self.run_id)
+            names = [s.name for s in self.stages]
+            self.credentials = RunCredentials.load_or_create(self.run_dir, self.run_id, names)
             auth = self.credentials.auth("pipeline")
+            grants = {
+                s.name: StageGrant(frozenset(s.published_families()), s.written_kv_keys())
+                for s in self.stages
+            }
+            authorization = self.credentials.server_authorization(grants)
             # spawned on the loop's thread (it lives as long as the run), so the server's
             # parent-death signal fires only when the run's process dies
-            self._server = NatsServer(
-                self.run_dir / "nats", authorization=self.credentials.server_authorization()
-            ).spawn()
+            self._server = NatsServer(self.run_dir / "nats", authorization=authorization).spawn()
             await asyncio.to_thread(self._server.wait_ready)
             url = self._server.url
         limits = self.replay.limits if self.replay else None
         streams = default_streams(max_msgs=self.stream_max_msgs, replay=limits)
-        bus = NatsBus(self.subjects, url, streams=streams, auth=auth)
+        self._bus = await self._connect(NatsBus(self.subjects, url, streams=streams, auth=auth))
+        self.connected_url = url
+
+    async def _connect(self, bus: NatsBus) -> NatsBus:
         try:
             await asyncio.wait_for(bus.connect(), timeout=self.connect_timeout)
         except (TimeoutError, OSError, nats.errors.Error, BusError) as exc:
             with contextlib.suppress(Exception):
                 await bus.close()
-            raise PipelineError(f"cannot connect to NATS at {url}: {exc or repr(exc)}") from exc
-        self._bus = bus
-        self.connected_url = url
+            raise PipelineError(f"cannot connect to NATS at {bus.url}: {exc or repr(exc)}") from exc
+        return bus
+
+    async def _stage_bus(self, stage: Stage) -> Bus:
+        """The bus a stage works on: on the embedded server, a connection with the stage's
+        own login (the server lets it publish only what it declares); else the run's bus."""
+        if self.credentials is None or not isinstance(self.bus, NatsBus):
+            return self.bus
+        admin = self.bus
+        bus = NatsBus(
+            self.subjects,
+            admin.url,
+            streams=admin.streams,
+            create_streams=False,
+            auth=self.credentials.auth(stage_login(stage.name)),
+        )
+        self._stage_buses.append(await self._connect(bus))
+        return bus
 
     def _check_replay_stream(self) -> None:
         """A replay writer on a bus without the replay stream would publish into the void."""
@@ -169,7 +192,9 @@ class Pipeline:
             await self._open_bus()
             self._check_replay_stream()
             self.runners = [
-                StageRunner(stage, self.bus, replicas, drain_timeout=self.drain_timeout)
+                StageRunner(
+                    stage, await self._stage_bus(stage), replicas, drain_timeout=self.drain_timeout
+                )
                 for stage, replicas in self._entries
             ]
             for runner in self.runners:
@@ -289,6 +314,10 @@ class Pipeline:
                 await runner.stop()
             except Exception:
                 log.exception("stage stop failed", stage=runner.stage.name)
+        for bus in self._stage_buses:
+            with contextlib.suppress(Exception):
+                await bus.close()
+        self._stage_buses.clear()
         if self._owns_bus and self._bus is not None:
             with contextlib.suppress(Exception):
                 await self._bus.close()

@@ -116,6 +116,11 @@ class Stage:
                        others when they call ``ctx.complete()``); a pipeline run ends when
                        all its finite stages have finished.
     ``Config``         pydantic model of the keyword config (YAML ``config:``); ``self.config``.
+    ``publishes``      subject families the stage publishes on itself (``ctx.bus``), beyond
+                       ``emits``: on a run's embedded server, its login may publish on these,
+                       ``emits`` and ``deadletter`` only.
+    ``kv_writes``      KV keys (NATS wildcards allowed, ``{name}`` = the stage's name) it
+                       writes; the login may write no other.
     """
 
     name: ClassVar[str] = ""
@@ -126,6 +131,8 @@ class Stage:
     retry: ClassVar[RetryPolicy] = RetryPolicy()
     finite: ClassVar[bool] = False
     Config: ClassVar[type[BaseModel]] = EmptyConfig
+    publishes: ClassVar[tuple[str, ...]] = ()
+    kv_writes: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -178,6 +185,14 @@ class Stage:
         for model in self.emits:
             if not (isinstance(model, type) and issubclass(model, Event)):
                 raise StageError(f"stage {self.name}: emits key {model!r} is not an Event type")
+
+    def published_families(self) -> set[str]:
+        """Every subject family this stage may publish on (its login's permissions)."""
+        emitted = {ref.split(".", 1)[0] for ref in self.emits.values()}
+        return {*emitted, *self.publishes, "deadletter"}
+
+    def written_kv_keys(self) -> tuple[str, ...]:
+        return tuple(key.format(name=self.name) for key in self.kv_writes)
 
     def clone(self, **overrides: Any) -> Stage:
         """A fresh instance with the same config, some of it overridden (YAML ``config``)."""

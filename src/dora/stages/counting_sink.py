@@ -42,6 +42,7 @@ class CountingSink(Stage):
 
     name = "sink"
     consumes = "scored"
+    kv_writes = ("sink.{name}.>",)
     concurrency = 16
     Config = CountingSinkConfig
 

@@ -72,6 +72,8 @@ class LearnerStage(Stage):
     name = "learner"
     finite = True
     Config = LearnerStageConfig
+    publishes = ("weights", "metrics")
+    kv_writes = ("weights.>",)  # each version's record before it is announced, pruning
 
     async def setup(self, ctx: Context) -> None:
         import torch

@@ -37,6 +37,7 @@ class PromptSource(Stage):
 
     name = "prompts"
     emits = {Prompt: "prompts"}
+    kv_writes = ("source.{name}",)  # how far it got, for a resumed run
     finite = True
     Config = PromptSourceConfig
 

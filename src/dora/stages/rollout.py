@@ -68,6 +68,10 @@ class RolloutStage(Stage):
 
     name = "rollout"
     Config = RolloutConfig
+    # dispatcher (requests), generators (trajectories, status, migrations), orchestrator and
+    # migrator (control); the dispatcher keeps its ledger and state in the KV store
+    publishes = ("requests", "trajectories", "status", "control", "rpc", "migrations")
+    kv_writes = ("ledger", "dispatcher")
 
     async def setup(self, ctx: Context) -> None:
         import torch
