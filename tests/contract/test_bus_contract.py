@@ -210,11 +210,13 @@ async def test_stream_messages_reads_without_consuming(bus: Bus) -> None:
 
     info = await bus.stream_info(v0)
     assert (info.messages, info.last_seq, info.consumers) == (10, 10, 1)
+    assert await bus.stored_by_subject(v0) == {v0: 5, v1: 5}
     msgs = await consumer.fetch(batch=10, timeout=2.0)  # the reads took nothing away
     assert [m.data for m in msgs] == [f"a{i}".encode() for i in range(5)]
     for m in msgs:
         await m.ack(wait=m is msgs[-1])
     assert (await bus.stream_info(v0)).messages == 5  # acked work is gone from the queue
+    assert await bus.stored_by_subject(v1) == {v1: 5}  # what nobody took
     assert [m.data async for m in bus.stream_messages(v0)] == []
 
     async def first_two_new() -> list[bytes]:

@@ -211,3 +211,23 @@ async def test_a_run_that_stops_making_progress_fails_with_each_stages_state(
     pipeline = Pipeline(bus=bus, stall_timeout=0.5).add(three).add(NeedsFour(name="sink"))
     with pytest.raises(PipelineError, match=r"no stage made progress for 0 s: .*sink 3/4"):
         await pipeline.run()
+
+
+async def test_the_summary_names_work_no_consumer_took(bus: MemoryBus) -> None:
+    """A request queued for a version no engine serves, and prompts past what the run needed,
+    are still stored when the run ends: the summary lists them instead of staying silent."""
+    s = bus.subjects
+    await bus.publish(s.requests(7), b"{}", msg_id="orphan")
+
+    class TakeTwo(Collect):
+        async def handle(self, p: Prompt, ctx: Context) -> None:
+            self.got.append(p.event_id)
+            if len(self.got) == 2:
+                ctx.complete()
+
+    sink = TakeTwo(concurrency=1)
+    summary = await Pipeline(bus=bus).add(three).add(sink).run()
+    assert summary["completed"]
+    left = summary["left_in_streams"]
+    assert left["requests.v7"] == 1
+    assert left.get("prompts", 0) == 3 - len(sink.got)

@@ -331,6 +331,11 @@ class Bus(abc.ABC):
         """State of the durable stream that holds ``subject`` (any subject of its family)."""
 
     @abc.abstractmethod
+    async def stored_by_subject(self, subject: str) -> dict[str, int]:
+        """Messages stored right now per subject, in the stream that holds ``subject``
+        (``requests.v3``: 12, ``requests.v4``: 2): what no consumer has taken yet."""
+
+    @abc.abstractmethod
     def stream_messages(
         self,
         subject: str,

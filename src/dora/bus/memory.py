@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import itertools
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -426,6 +427,10 @@ class MemoryBus(Bus):
             last_seq=stream.seq,
             consumers=len(stream.consumers),
         )
+
+    async def stored_by_subject(self, subject: str) -> dict[str, int]:
+        stream = self._stream_of(subject)
+        return dict(Counter(m.subject for m in stream.messages.values()))
 
     async def stream_messages(
         self,

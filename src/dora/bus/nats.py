@@ -468,6 +468,13 @@ class NatsBus(Bus):
             consumers=state.consumer_count,
         )
 
+    async def stored_by_subject(self, subject: str) -> dict[str, int]:
+        name = self._stream_name(subject)
+        info = await self.outage.call(
+            "stream info", lambda: self.js.stream_info(name, subjects_filter=">")
+        )
+        return {str(k): int(v) for k, v in (info.state.subjects or {}).items()}
+
     async def stream_messages(
         self,
         subject: str,

@@ -197,6 +197,15 @@ def _print_summary(console: Console, summary: dict[str, Any], path: Path) -> Non
         line = eval_headline(info)
         if line:
             console.print(f"[bold]{line}[/bold]", highlight=False, soft_wrap=True)
+    left = summary.get("left_in_streams")
+    if left:
+        from dora.pipeline.core import left_in_streams_text
+
+        console.print(
+            f"left in streams, never consumed: {left_in_streams_text(left)}",
+            highlight=False,
+            soft_wrap=True,
+        )
     state = "completed" if summary["completed"] else "stopped before completion"
     console.print(f"{state}; summary: {path}")
 

@@ -139,7 +139,8 @@ def cli(
             target = resolve_stage(name)
             cls = target if isinstance(target, type) else type(target)
             doc = (cls.__doc__ or "").strip().split("\n")[0]
-            emits = ", ".join(sorted(set(getattr(target, "emits", {}).values()))) or "-"
+            published = {*getattr(target, "emits", {}).values(), *getattr(target, "publishes", ())}
+            emits = ", ".join(sorted(published)) or "-"
             table.add_row(name, getattr(target, "consumes", None) or "-", emits, doc)
         console.print(table)
         return

@@ -78,6 +78,8 @@ class Pipeline:
         self.credentials: RunCredentials | None = None
         """The embedded server's per-role credentials (None on an outside server)."""
         self._stage_buses: list[NatsBus] = []
+        self.left_in_streams: dict[str, int] = {}
+        """What the work and fan-out streams still held when the run stopped."""
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / self.run_id
         self.stream_max_msgs = stream_max_msgs
         self.drain_timeout = drain_timeout
@@ -303,7 +305,30 @@ class Pipeline:
             raw = await asyncio.wait_for(self.bus.kv_get("ledger"), timeout=5)
             if raw:
                 lines.append(f"dispatcher ledger: {raw.decode()[:1500]}")
+        left = await self._left_in_streams()
+        if left:
+            lines.append("stored, not taken by any consumer: " + left_in_streams_text(left))
         return "\n".join(lines)
+
+    async def _left_in_streams(self) -> dict[str, int]:
+        """Messages still stored in the work and fan-out streams (``requests.v3``: 12): work no
+        consumer took, e.g. a version's queue no engine serves, or prompts past the run's end.
+        Empty when the bus cannot tell (it is gone)."""
+        if self._bus is None:
+            return {}
+        left: dict[str, int] = {}
+        prefix = self.subjects.root + "."
+        try:
+            for family in LEFTOVER_FAMILIES:
+                subject = self.subjects.family(family)
+                if not self._bus.is_durable(subject):
+                    continue
+                stored = await asyncio.wait_for(self._bus.stored_by_subject(subject), 5.0)
+                left.update({k.removeprefix(prefix): n for k, n in sorted(stored.items()) if n})
+        except Exception as exc:  # a report, not a reason to fail the shutdown
+            log.debug("left_in_streams_unknown", error=f"{type(exc).__name__}: {exc}")
+            return {}
+        return left
 
     async def stop(self) -> None:
         """Drain and stop every stage, upstream first (the reverse of the order given), then
@@ -314,6 +339,8 @@ class Pipeline:
                 await runner.stop()
             except Exception:
                 log.exception("stage stop failed", stage=runner.stage.name)
+        if self.runners:
+            self.left_in_streams = await self._left_in_streams()
         for bus in self._stage_buses:
             with contextlib.suppress(Exception):
                 await bus.close()
@@ -362,6 +389,7 @@ class Pipeline:
             "started_at": self._started_at,
             "seconds": round(end - self._started_at, 3) if self._started_at else 0.0,
             "run_dir_bytes": folder_bytes(self.run_dir),
+            "left_in_streams": self.left_in_streams,
             "stages": {
                 r.stage.name: {
                     "replicas": r.replicas,
@@ -378,6 +406,15 @@ class Pipeline:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary or self.summary(), indent=2, sort_keys=True) + "\n")
         return path
+
+
+LEFTOVER_FAMILIES = ("prompts", "requests", "trajectories", "scored")
+"""Streams whose messages exist to be consumed (the others keep theirs as a record)."""
+
+
+def left_in_streams_text(left: dict[str, int]) -> str:
+    """``prompts 1,236, requests.v49 12``."""
+    return ", ".join(f"{subject} {n:,}" for subject, n in left.items())
 
 
 def folder_bytes(path: Path) -> int:
