@@ -64,3 +64,34 @@ async def test_partial_update_reaches_every_engine_at_once() -> None:
     await controller.tick()  # nothing left to move
     assert entered == []
     await bus.close()
+
+
+async def test_an_assignment_the_engine_refuses_is_not_recorded() -> None:
+    """The controller used to record an assignment without reading the reply: an engine that
+    refused (busy loading, say) was then believed to serve the new version."""
+    bus = MemoryBus(Subjects("t"))
+    await bus.connect()
+    replies = {
+        "e0": ControlReply(ok=True),
+        "e1": ControlReply(ok=False, error="loading weights"),
+    }
+
+    def handler_for(engine: str) -> Callable[[bytes], Awaitable[bytes]]:
+        async def handle(data: bytes) -> bytes:
+            AssignVersion.model_validate_json(data)
+            return replies[engine].model_dump_json().encode()
+
+        return handle
+
+    for e in replies:
+        await bus.serve(bus.subjects.control(e), handler_for(e))
+    controller = BaselineController(bus, "partial")
+    now = time.monotonic()
+    for e in replies:
+        controller.status[e] = _status(e, 0)
+        controller.seen[e] = now
+    controller.newest = 1
+    await controller.tick()
+    assert [(e, v) for _, e, v in controller.assignments] == [("e0", 1)]
+    assert controller.status["e0"].assigned_version == 1
+    assert controller.status["e1"].assigned_version == 0

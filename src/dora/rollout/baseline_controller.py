@@ -28,7 +28,8 @@ import structlog
 
 from dora.aio import cancel_all
 from dora.bus import Bus, Subscription
-from dora.events import AssignVersion, EngineStatus, Event, WeightVersion
+from dora.events import AssignVersion, EngineStatus, WeightVersion
+from dora.rollout.control_client import ControlClient, ControlFailed
 from dora.rollout.generator import QUEUE_ACK_WAIT_S
 from dora.rollout.orchestrator_service import QueueDepths
 from dora.rollout.status_parse import parse_status
@@ -49,6 +50,7 @@ class BaselineController:
         tick_s: float = 0.1,
         queue_ack_wait_s: float = QUEUE_ACK_WAIT_S,
         engine_timeout_s: float = 5.0,
+        command_timeout_s: float = 5.0,
     ) -> None:
         """``queue_ack_wait_s``: the generators' (see ``request_queue_spec``); an engine silent
         for ``engine_timeout_s`` is gone (its requests come back through the queue)."""
@@ -62,6 +64,7 @@ class BaselineController:
         self._floor = 0
         """Versions below it are finished: no queued work, no holder, never tagged again."""
         self.assignments: list[tuple[float, str, int]] = []
+        self.control = ControlClient(bus, timeout_s=command_timeout_s)
         self._depths = QueueDepths(bus, queue_ack_wait_s, orphan_grace_s=engine_timeout_s)
         self._stop = asyncio.Event()
 
@@ -165,13 +168,11 @@ class BaselineController:
             live[pick.engine_id] = self.status[pick.engine_id]
 
     async def _assign(self, engine_id: str, version: int) -> None:
-        command: Event = AssignVersion(engine_id=engine_id, version=version)
+        """Assign, and record it only once the engine accepted it."""
         try:
-            await self.bus.request(
-                self.bus.subjects.control(engine_id), command.model_dump_json().encode()
-            )
-        except Exception as exc:
-            log.warning("assign_failed", engine=engine_id, error=str(exc))
+            await self.control.send(engine_id, AssignVersion(engine_id=engine_id, version=version))
+        except ControlFailed as exc:
+            log.warning("assign_failed", engine=engine_id, error=exc.reason)
             return
         self.status[engine_id] = self.status[engine_id].model_copy(
             update={"assigned_version": version}

@@ -35,6 +35,7 @@ from dora.events import (
     ReleaseExported,
     RestoreExported,
 )
+from dora.rollout.control_client import ControlClient, ControlFailed
 
 log = structlog.get_logger(__name__)
 
@@ -57,24 +58,18 @@ class MigrationOutcome:
 class Migrator:
     """Executes ``Migrate`` actions over the bus."""
 
-    def __init__(self, bus: Bus, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, bus: Bus, timeout_s: float = 30.0, control: ControlClient | None = None
+    ) -> None:
         self.bus = bus
-        self.timeout_s = timeout_s
+        self.control = control or ControlClient(bus, timeout_s)
         self.outcomes: list[MigrationOutcome] = []
 
     async def _command(self, engine: str, command: Event) -> ControlReply:
         try:
-            raw = await self.bus.request(
-                self.bus.subjects.control(engine),
-                command.model_dump_json().encode(),
-                timeout=self.timeout_s,
-            )
-        except BusError as exc:
-            raise MigrationFailed(f"{engine}: {type(exc).__name__}: {exc}") from exc
-        reply = ControlReply.model_validate_json(raw)
-        if not reply.ok:
-            raise MigrationFailed(f"{engine}: {reply.error}")
-        return reply
+            return await self.control.send(engine, command)
+        except ControlFailed as exc:
+            raise MigrationFailed(str(exc)) from exc
 
     async def execute(self, action: Migrate) -> list[MigrationOutcome]:
         """Migrate every request of ``action``; one outcome each."""

@@ -23,7 +23,7 @@ import structlog
 
 from dora.aio import cancel_all
 from dora.bus import Bus, ConsumerSpec, ConsumerState, Subscription
-from dora.events import ControlReply, EngineStatus, Event, Ledger, Trajectory
+from dora.events import EngineStatus, Event, Ledger, Trajectory
 from dora.rollout.actions import (
     Action,
     AssignEngine,
@@ -31,6 +31,7 @@ from dora.rollout.actions import (
     MigrateRequests,
     PrioritizeRequests,
 )
+from dora.rollout.control_client import ControlClient, ControlFailed
 from dora.rollout.estimates import LengthRecorder
 from dora.rollout.generator import QUEUE_ACK_WAIT_S, request_queue_spec
 from dora.rollout.migrator import Migrator
@@ -113,7 +114,8 @@ class OrchestratorService:
     def __init__(self, bus: Bus, config: OrchestratorServiceConfig | None = None) -> None:
         self.bus = bus
         self.config = config or OrchestratorServiceConfig()
-        self.migrator = Migrator(bus, timeout_s=self.config.command_timeout_s)
+        self.control = ControlClient(bus, timeout_s=self.config.command_timeout_s)
+        self.migrator = Migrator(bus, control=self.control)
         self.status: dict[str, tuple[EngineStatus, float]] = {}
         self.lengths = LengthRecorder()
         self.memory = _Memory()
@@ -256,18 +258,11 @@ class OrchestratorService:
 
     async def _send(self, engine_id: str, command: Event) -> bool:
         try:
-            raw = await self.bus.request(
-                self.bus.subjects.control(engine_id),
-                command.model_dump_json().encode(),
-                timeout=self.config.command_timeout_s,
-            )
-        except Exception as exc:
-            log.warning("command_failed", engine=engine_id, error=str(exc))
+            await self.control.send(engine_id, command)
+        except ControlFailed as exc:
+            log.warning("command_failed", engine=engine_id, error=exc.reason)
             return False
-        reply = ControlReply.model_validate_json(raw)
-        if not reply.ok:
-            log.warning("command_refused", engine=engine_id, error=reply.error)
-        return reply.ok
+        return True
 
     async def _migrate(self, action: MigrateRequests) -> None:
         try:
