@@ -54,7 +54,10 @@ def build_pipeline(
     model_dir = save_pretrained(model, tmp_path / "model", tok)
     run_dir = tmp_path / "run"
     source = {"path": str(model_dir)}
-    pipeline = Pipeline(run_id=f"mainjob-{mode}-{steps}", nats_url=url, run_dir=run_dir)
+    # a hang fails with each stage's state and the ledger instead of a bare test timeout
+    pipeline = Pipeline(
+        run_id=f"mainjob-{mode}-{steps}", nats_url=url, run_dir=run_dir, stall_timeout=120
+    )
     pipeline.add(RecorderStage())
     pipeline.add(
         LearnerStage(

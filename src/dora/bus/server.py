@@ -98,7 +98,7 @@ def running_server_url(store_dir: Path) -> str | None:
     return None
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: SIGTERM when the thread that started us dies (Linux)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -181,7 +181,7 @@ class NatsServer:
             stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent if sys.platform == "linux" else None,
         )
         log_file.close()
         return self

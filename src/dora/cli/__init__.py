@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "warmstart": "dora.cli.warmstart_cmd",
     "report": "dora.cli.report_cmd",
     "stages": "dora.cli.stages_cmd",
+    "stage": "dora.cli.stage_cmd",
     "sim": "dora.cli.sim_cmd",
 }
 BENCHMARKS: dict[str, str] = {

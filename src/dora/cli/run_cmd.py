@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from dora.pipeline import Pipeline
+    from dora.pipeline.processes import ProcessRun
 
 
 def _progress_rows(pipeline: Pipeline) -> list[tuple[str, int, int | None, str]]:
@@ -123,6 +124,45 @@ async def _run(
                 loop.remove_signal_handler(sig)
     summary = pipeline.summary()
     pipeline.write_summary(summary)
+    return summary
+
+
+async def _run_processes(
+    supervisor: ProcessRun, console: Console, received: list[int], quiet: bool = False
+) -> dict[str, Any]:
+    """``--processes``: the supervisor runs the stage processes; a first signal drains them
+    all, a second one gives up. A plain progress line every few seconds."""
+    loop = asyncio.get_running_loop()
+    interrupt.clear()
+    current = asyncio.current_task()
+
+    def on_signal(signum: int) -> None:
+        received.append(signum)
+        if supervisor.children and len(received) == 1:
+            supervisor.stop()
+        elif current is not None:
+            current.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        task = asyncio.create_task(supervisor.run())
+        announced, last_line = False, loop.time()
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.2)
+            if not announced and supervisor.children:
+                _announce(supervisor.pipeline, console)
+                announced = True
+            if not quiet and not task.done() and loop.time() - last_line >= PLAIN_PROGRESS_S:
+                last_line = loop.time()
+                console.print(supervisor.progress_line(), highlight=False)
+        summary = await task
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
+    supervisor.pipeline.write_summary(summary)
     return summary
 
 
@@ -307,6 +347,14 @@ def cli(
     json_logs: Annotated[
         bool, typer.Option("--json-logs", help="Console log lines as JSON objects.")
     ] = False,
+    processes: Annotated[
+        bool,
+        typer.Option(
+            "--processes",
+            help="One OS process per stage replica (`dora stage serve`), supervised: output "
+            "prefixed by stage, a dead process restarted.",
+        ),
+    ] = False,
 ) -> None:
     """Run a pipeline until its finite stages finish (or Ctrl-C), with live progress."""
     from rich.console import Console
@@ -330,6 +378,8 @@ def cli(
         overrides, max_steps = info.get("overrides") or [], info.get("max_steps")
     if pipeline is None:
         raise typer.BadParameter("give a PIPELINE file, or --resume RUN_DIR")
+    if processes and resume is not None:
+        raise typer.BadParameter("--processes does not resume a run yet; drop one of them")
     if (nats_creds or nats_ca) and not nats:
         raise typer.BadParameter("--nats-creds and --nats-ca log in to a --nats server")
     try:
@@ -384,7 +434,22 @@ def cli(
     (pipe.run_dir / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
     received: list[int] = []
     try:
-        summary = asyncio.run(_run(pipe, console, received, quiet=quiet))
+        if processes:
+            from dora.pipeline.processes import ProcessRun
+
+            supervisor = ProcessRun(
+                pipe,
+                pipeline,
+                overrides=list(overrides or ()),
+                max_steps=max_steps,
+                log_level=level,
+                echo=lambda line: console.print(
+                    line, markup=False, highlight=False, soft_wrap=True
+                ),
+            )
+            summary = asyncio.run(_run_processes(supervisor, console, received, quiet=quiet))
+        else:
+            summary = asyncio.run(_run(pipe, console, received, quiet=quiet))
     except (asyncio.CancelledError, interrupt.Interrupted):
         console.print("[yellow]interrupted[/yellow]")
         raise typer.Exit(128 + (received[0] if received else signal.SIGINT)) from None

@@ -78,6 +78,8 @@ class Pipeline:
         self.credentials: RunCredentials | None = None
         """The embedded server's per-role credentials (None on an outside server)."""
         self._stage_buses: list[NatsBus] = []
+        self.summary_file: Path | None = None
+        """Where ``write_summary`` writes (default ``RUN_DIR/summary.json``)."""
         self.left_in_streams: dict[str, int] = {}
         """What the work and fan-out streams still held when the run stopped."""
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / self.run_id
@@ -115,9 +117,24 @@ class Pipeline:
         self._entries.append((stage, replicas))
         return self
 
+    def keep_only(self, name: str, replicas: int | None = None) -> Pipeline:
+        """This pipeline reduced to the stage ``name`` (``dora stage serve``: the others run in
+        other processes), with ``replicas`` pull loops if given."""
+        kept = [(s, replicas or n) for s, n in self._entries if s.name == name]
+        if not kept:
+            known = ", ".join(s.name for s, _ in self._entries)
+            raise StageError(f"no stage named {name!r}; the pipeline has: {known}")
+        self._entries = kept
+        return self
+
     @property
     def stages(self) -> list[Stage]:
         return [s for s, _ in self._entries]
+
+    @property
+    def entries(self) -> list[tuple[Stage, int]]:
+        """Each stage with its replica count, in the order added."""
+        return list(self._entries)
 
     @property
     def bus(self) -> Bus:
@@ -310,6 +327,16 @@ class Pipeline:
             lines.append("stored, not taken by any consumer: " + left_in_streams_text(left))
         return "\n".join(lines)
 
+    async def open(self) -> None:
+        """Open the run's bus (and its embedded server) without starting any stage: a
+        supervisor whose stages run in other processes (``dora.pipeline.processes``)."""
+        self._started_at = self._started_at or time.time()
+        await self._open_bus()
+
+    async def left_in_streams_now(self) -> dict[str, int]:
+        """What the work and fan-out streams hold now (see ``left_in_streams``)."""
+        return await self._left_in_streams()
+
     async def _left_in_streams(self) -> dict[str, int]:
         """Messages still stored in the work and fan-out streams (``requests.v3``: 12): work no
         consumer took, e.g. a version's queue no engine serves, or prompts past the run's end.
@@ -402,7 +429,7 @@ class Pipeline:
         }
 
     def write_summary(self, summary: dict[str, Any] | None = None) -> Path:
-        path = self.run_dir / SUMMARY_FILE
+        path = self.summary_file or self.run_dir / SUMMARY_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary or self.summary(), indent=2, sort_keys=True) + "\n")
         return path
