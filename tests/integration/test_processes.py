@@ -3,12 +3,14 @@ signals, the embedded nats-server with a login per stage)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,14 +22,24 @@ ECHO = ROOT / "pipelines" / "echo.yaml"
 CLI = [sys.executable, "-c", "from dora.cli import app; app()"]
 
 
-def _start(run_dir: Path, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [*CLI, "run", str(ECHO), "--processes", "--run-dir", str(run_dir), *extra],
+@contextlib.contextmanager
+def _echo_run(run_dir: Path, prompts: int) -> Iterator[subprocess.Popen[str]]:
+    """``dora run pipelines/echo.yaml --processes`` over ``prompts`` prompts, killed if a test
+    leaves it running."""
+    counts = ("--set", f"prompts.count={prompts}", "--set", f"sink.expect={prompts}")
+    run = subprocess.Popen(
+        [*CLI, "run", str(ECHO), "--processes", "--run-dir", str(run_dir), *counts],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         cwd=run_dir.parent,
     )
+    try:
+        yield run
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
 
 
 def _processes(run_dir: Path) -> dict[str, dict]:
@@ -58,8 +70,7 @@ def _alive(pid: int) -> bool:
 
 def test_each_stage_replica_runs_in_its_own_process(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    run = _start(run_dir, "--set", "prompts.count=2000", "--set", "sink.expect=2000")
-    try:
+    with _echo_run(run_dir, 2000) as run:
         _wait_for(lambda: len(_processes(run_dir)) == 5, "five stage processes")
         _wait_for(lambda: (run_dir / "stages" / "prompts-0.ready").exists(), "the source")
         seen = _processes(run_dir)
@@ -77,10 +88,6 @@ def test_each_stage_replica_runs_in_its_own_process(tmp_path: Path) -> None:
             "verifier-0",
         ]
         out, _ = run.communicate(timeout=300)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
     assert run.returncode == 0, out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["completed"] and summary["stages"]["sink"]["count"] == 2000
@@ -92,8 +99,7 @@ def test_each_stage_replica_runs_in_its_own_process(tmp_path: Path) -> None:
 def test_a_stage_process_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     count = 4000
-    run = _start(run_dir, "--set", f"prompts.count={count}", "--set", f"sink.expect={count}")
-    try:
+    with _echo_run(run_dir, count) as run:
         _wait_for(lambda: (run_dir / "stages" / "prompts-0.ready").exists(), "the source")
         verifier = _processes(run_dir)["verifier-0"]["pid"]
         os.kill(verifier, signal.SIGKILL)  # mid-run: prompts are still flowing
@@ -102,10 +108,6 @@ def test_a_stage_process_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_pat
         )
         assert _processes(run_dir)["verifier-0"]["pid"] != verifier
         out, _ = run.communicate(timeout=300)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
     assert run.returncode == 0, out
     assert "[verifier-0] exited with -9; restarting" in out
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -116,16 +118,11 @@ def test_a_stage_process_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_pat
 
 def test_ctrl_c_drains_every_stage_process_and_leaves_none(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    run = _start(run_dir, "--set", "prompts.count=100000", "--set", "sink.expect=100000")
-    try:
+    with _echo_run(run_dir, 100000) as run:
         _wait_for(lambda: (run_dir / "stages" / "prompts-0.ready").exists(), "the source")
         pids = [info["pid"] for info in _processes(run_dir).values()]
         run.send_signal(signal.SIGINT)
         out, _ = run.communicate(timeout=120)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
     assert run.returncode == 130, out
     assert not any(_alive(pid) for pid in pids)
     summary = json.loads((run_dir / "summary.json").read_text())
