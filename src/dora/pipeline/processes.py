@@ -125,6 +125,8 @@ class ProcessRun:
         processes ready (consumers created, set up) before the next starts, so nothing is
         published to a fan-out stream before every reader of it exists."""
         for stage in self._start_order:
+            if self._stop.is_set():  # Ctrl-C while starting: start nothing more
+                return
             group = [c for c in self.children if c.stage == stage]
             for child in group:
                 await self._spawn(child)
