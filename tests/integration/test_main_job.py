@@ -10,6 +10,7 @@ request, nothing dead-lettered; under dora one version per trajectory and no re-
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 
 import pytest
@@ -54,10 +55,11 @@ def build_pipeline(
     model_dir = save_pretrained(model, tmp_path / "model", tok)
     run_dir = tmp_path / "run"
     source = {"path": str(model_dir)}
-    # a hang fails with each stage's state and the ledger instead of a bare test timeout
-    pipeline = Pipeline(
-        run_id=f"mainjob-{mode}-{steps}", nats_url=url, run_dir=run_dir, stall_timeout=120
-    )
+    # A run id of its own: the session's nats-server keeps every earlier test's streams and
+    # KV state, and a second run under one id would resume the first (its dispatcher snapshot,
+    # its queued prompts). A hang fails with the stages' state and the ledger (stall_timeout).
+    run_id = f"mainjob-{mode}-{steps}-{uuid.uuid4().hex[:6]}"
+    pipeline = Pipeline(run_id=run_id, nats_url=url, run_dir=run_dir, stall_timeout=120)
     pipeline.add(RecorderStage())
     pipeline.add(
         LearnerStage(
