@@ -29,6 +29,16 @@ def _example(script: Path, *args: str) -> list[str]:
     return [sys.executable, str(script), *args]
 
 
+def _produce(run_dir: Path) -> subprocess.CompletedProcess[str]:
+    """The example producer feeding COUNT prompts to the run in ``run_dir``."""
+    return subprocess.run(
+        _example(PRODUCER, "--run-dir", str(run_dir), "--count", str(COUNT)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 @pytest.mark.parametrize("script", [CONSUMER, PRODUCER], ids=["consumer", "producer"])
 def test_examples_import_nothing_from_dora(script: Path) -> None:
     tree = ast.parse(script.read_text())
@@ -64,23 +74,13 @@ def test_outside_producer_and_consumers_around_a_live_run(
         assert waited.startswith(f"waiting for run {run_id}'s trajectories stream")
 
         # 2. the producer finds the run by its folder and feeds it; a second run of it is a no-op
-        produced = subprocess.run(
-            _example(PRODUCER, "--run-dir", str(run_dir), "--count", str(COUNT)),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        produced = _produce(run_dir)
         assert produced.returncode == 0, produced.stderr
         assert (
             produced.stdout.strip()
             == f"published {COUNT} prompts to run {run_id} (0 already there)"
         )
-        again = subprocess.run(
-            _example(PRODUCER, "--run-dir", str(run_dir), "--count", str(COUNT)),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        again = _produce(run_dir)
         assert (
             again.stdout.strip() == f"published 0 prompts to run {run_id} ({COUNT} already there)"
         )
@@ -182,12 +182,7 @@ def test_examples_log_in_to_an_embedded_run_with_the_run_folders_credentials(
         assert "the server refused: permissions violation for publish to" in durable.stderr
         assert "use --replay, or --live" in durable.stderr
 
-        produced = subprocess.run(
-            _example(PRODUCER, "--run-dir", str(run_dir), "--count", str(COUNT)),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        produced = _produce(run_dir)
         assert produced.returncode == 0, produced.stderr
 
         out, _ = run.communicate(timeout=120)

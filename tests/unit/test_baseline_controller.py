@@ -20,6 +20,22 @@ def _status(engine: str, version: int) -> EngineStatus:
     )
 
 
+async def _partial_fleet_on_v0(
+    bus: MemoryBus, handlers: dict[str, Callable[[bytes], Awaitable[bytes]]]
+) -> BaselineController:
+    """A partial-rollout controller that sees these engines serving v0 and v1 published;
+    each engine's control subject answered by its handler."""
+    for engine, handler in handlers.items():
+        await bus.serve(bus.subjects.control(engine), handler)
+    controller = BaselineController(bus, "partial")
+    now = time.monotonic()
+    for engine in handlers:
+        controller.status[engine] = _status(engine, 0)
+        controller.seen[engine] = now
+    controller.newest = 1
+    return controller
+
+
 async def test_partial_update_reaches_every_engine_at_once() -> None:
     """A partial-rollout update is fleet-wide: every engine's assignment is in flight
     together (each handler below returns only once all N have been entered), not one
@@ -47,14 +63,7 @@ async def test_partial_update_reaches_every_engine_at_once() -> None:
         return handle
 
     engines = [f"e{i}" for i in range(N)]
-    for e in engines:
-        await bus.serve(bus.subjects.control(e), handler_for(e))
-    controller = BaselineController(bus, "partial")
-    now = time.monotonic()
-    for e in engines:
-        controller.status[e] = _status(e, 0)
-        controller.seen[e] = now
-    controller.newest = 1
+    controller = await _partial_fleet_on_v0(bus, {e: handler_for(e) for e in engines})
     await controller.tick()
     assert sorted(entered) == engines
     assert all(saw_all[e] for e in engines)
@@ -83,14 +92,7 @@ async def test_an_assignment_the_engine_refuses_is_not_recorded() -> None:
 
         return handle
 
-    for e in replies:
-        await bus.serve(bus.subjects.control(e), handler_for(e))
-    controller = BaselineController(bus, "partial")
-    now = time.monotonic()
-    for e in replies:
-        controller.status[e] = _status(e, 0)
-        controller.seen[e] = now
-    controller.newest = 1
+    controller = await _partial_fleet_on_v0(bus, {e: handler_for(e) for e in replies})
     await controller.tick()
     assert [(e, v) for _, e, v in controller.assignments] == [("e0", 1)]
     assert controller.status["e0"].assigned_version == 1
