@@ -13,7 +13,6 @@ the learner's batches.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import re
 from pathlib import Path
@@ -26,6 +25,7 @@ from dora.bus.server import NatsServer
 from dora.events import DeadLetter, ScoredTrajectory
 from dora.learner.metrics import read_metrics
 from dora.report import load_run, summarize
+from dora.stage.deadletter import original_payload
 from dora.subjects import Subjects
 
 from .test_main_job import build_pipeline
@@ -188,7 +188,7 @@ async def test_hostile_messages_on_every_subject_are_dead_lettered_and_the_run_c
     found: dict[int, list[DeadLetter]] = {}
     for letter in letters:
         assert letter.reason, letter
-        raw = _raw(letter)
+        raw = original_payload(letter)
         owners = {int(x) for x in MARK.findall(raw)}
         if letter.subject == s.weights and "no policy version 999" in letter.reason:
             owners.add(forged_weights)
@@ -200,9 +200,3 @@ async def test_hostile_messages_on_every_subject_are_dead_lettered_and_the_run_c
     missing = {n: h.sent[n] for n in h.sent if n not in found}
     assert not missing, f"hostile messages without a dead letter: {missing}"
     assert any(d.reason.startswith("refused: prompt 'HOSTILE-") for d in letters)
-
-
-def _raw(letter: DeadLetter) -> bytes:
-    if letter.payload_encoding == "base64":
-        return base64.b64decode(letter.payload)
-    return letter.payload.encode()

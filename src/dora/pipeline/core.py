@@ -322,7 +322,7 @@ class Pipeline:
             raw = await asyncio.wait_for(self.bus.kv_get("ledger"), timeout=5)
             if raw:
                 lines.append(f"dispatcher ledger: {raw.decode()[:1500]}")
-        left = await self._left_in_streams()
+        left = await self.left_in_streams_now()
         if left:
             lines.append("stored, not taken by any consumer: " + left_in_streams_text(left))
         return "\n".join(lines)
@@ -334,10 +334,6 @@ class Pipeline:
         await self._open_bus()
 
     async def left_in_streams_now(self) -> dict[str, int]:
-        """What the work and fan-out streams hold now (see ``left_in_streams``)."""
-        return await self._left_in_streams()
-
-    async def _left_in_streams(self) -> dict[str, int]:
         """Messages still stored in the work and fan-out streams (``requests.v3``: 12): work no
         consumer took, e.g. a version's queue no engine serves, or prompts past the run's end.
         Empty when the bus cannot tell (it is gone)."""
@@ -367,7 +363,7 @@ class Pipeline:
             except Exception:
                 log.exception("stage stop failed", stage=runner.stage.name)
         if self.runners:
-            self.left_in_streams = await self._left_in_streams()
+            self.left_in_streams = await self.left_in_streams_now()
         for bus in self._stage_buses:
             with contextlib.suppress(Exception):
                 await bus.close()

@@ -21,7 +21,6 @@ Request event ids are derived from request ids, so a re-publish after a crash is
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 from dataclasses import dataclass, field
 
@@ -40,7 +39,7 @@ from dora.events import (
 )
 from dora.rollout.dispatcher import Dispatcher, PromptRefused, Tokenize
 from dora.rollout.dispatcher_snapshot import SNAPSHOT_KEY, DispatcherSnapshot
-from dora.stage.deadletter import build_dead_letter, parse_event
+from dora.stage.deadletter import build_dead_letter, original_payload, parse_event
 from dora.subjects import Subjects
 from dora.versions import check_published
 
@@ -294,11 +293,7 @@ def refused_request_id(data: bytes, subjects: Subjects) -> str | None:
     try:
         if subjects.family_of(letter.subject) != "requests":
             return None
-        raw = (
-            base64.b64decode(letter.payload)
-            if letter.payload_encoding == "base64"
-            else letter.payload.encode()
-        )
+        raw = original_payload(letter)
     except ValueError:
         return None
     request, _ = parse_event(RolloutRequest, raw)

@@ -54,6 +54,14 @@ def _encode(data: bytes) -> tuple[str, str]:
         return base64.b64encode(data).decode("ascii"), "base64"
 
 
+def original_payload(letter: DeadLetter) -> bytes:
+    """The bytes a dead letter carries (the inverse of how ``build_dead_letter`` encodes
+    them); raises ``ValueError`` for a payload marked base64 that is not."""
+    if letter.payload_encoding == "base64":
+        return base64.b64decode(letter.payload, validate=True)
+    return letter.payload.encode()
+
+
 async def build_dead_letter(bus: Bus, msg: Message, stage: str, reason: str) -> DeadLetter:
     """A DeadLetter for ``msg`` whose id depends only on the message, so re-sending dedupes.
 
