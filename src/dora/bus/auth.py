@@ -72,6 +72,13 @@ class NatsAuth(BaseModel):
                 f"(or a NATS .creds file): {exc}"
             ) from exc
 
+    @classmethod
+    def from_options(cls, creds_file: Path | None, ca_file: Path | None) -> NatsAuth | None:
+        """What ``--nats-creds`` and ``--nats-ca`` ask for (None: neither given)."""
+        if creds_file is not None:
+            return cls.from_file(creds_file, ca_file)
+        return cls(ca_file=ca_file) if ca_file is not None else None
+
     def connect_options(self, url: str) -> dict[str, Any]:
         """Keyword arguments for ``nats.connect``; a ``tls://`` URL gets a verifying context."""
         options: dict[str, Any] = {}

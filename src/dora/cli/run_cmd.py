@@ -383,9 +383,7 @@ def cli(
     if (nats_creds or nats_ca) and not nats:
         raise typer.BadParameter("--nats-creds and --nats-ca log in to a --nats server")
     try:
-        auth = NatsAuth.from_file(nats_creds, nats_ca) if nats_creds else None
-        if auth is None and nats_ca:
-            auth = NatsAuth(ca_file=nats_ca)
+        auth = NatsAuth.from_options(nats_creds, nats_ca)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     try:

@@ -68,6 +68,9 @@ def serve_cli(
     nats_creds: Annotated[
         Path | None, typer.Option("--nats-creds", help="The stage's login (JSON or .creds).")
     ] = None,
+    nats_ca: Annotated[
+        Path | None, typer.Option("--nats-ca", help="CA certificate for a tls:// --nats URL.")
+    ] = None,
     overrides: Annotated[
         list[str] | None, typer.Option("--set", help="As `dora run --set`.")
     ] = None,
@@ -83,7 +86,7 @@ def serve_cli(
     if log_level not in LEVELS:
         raise typer.BadParameter(f"--log-level must be one of {', '.join(LEVELS)}")
     try:
-        auth = NatsAuth.from_file(nats_creds) if nats_creds else None
+        auth = NatsAuth.from_options(nats_creds, nats_ca)
         pipeline = load_pipeline(
             pipeline_file,
             run_id=run_id,
