@@ -94,6 +94,9 @@ class DispatchService:
         self._changed.set()
 
     async def run(self) -> None:
+        # The previous dispatcher's state first: an observer that applied an event (and wrote
+        # a snapshot) before it would both reject what it knew and overwrite its state.
+        await self._restore()
         s = self.bus.subjects
         status = await self.bus.subscribe(s.status_all)
         consumers = {
@@ -117,7 +120,6 @@ class DispatchService:
                 )
             ),
         ]
-        await self._restore()
         await self._write_ledger()
         try:
             await self._dispatch_loop(prompts)
