@@ -18,6 +18,9 @@ BUILTIN_STAGES: dict[str, str] = {
     "verifier": "dora.stages.verifier:VerifierStage",
     "counting_sink": "dora.stages.counting_sink:CountingSink",
     "rollout": "dora.stages.rollout:RolloutStage",
+    "dispatcher": "dora.stages.dispatcher:DispatcherStage",
+    "generator": "dora.stages.generator:GeneratorStage",
+    "orchestrator": "dora.stages.orchestrator:OrchestratorStage",
     "learner": "dora.stages.learner:LearnerStage",
     "recorder": "dora.stages.recorder:RecorderStage",
 }

@@ -63,7 +63,13 @@ def serve_cli(
     run_dir: Annotated[Path, typer.Option("--run-dir", help="The run's folder.")],
     replica: Annotated[int, typer.Option("--replica", min=0, help="Which replica this is.")] = 0,
     replicas: Annotated[
-        int, typer.Option("--replicas", min=1, help="Pull loops in this process.")
+        int,
+        typer.Option(
+            "--replicas",
+            min=1,
+            help="Pull loops in this process (replicas hosted, from --replica, for a stage "
+            "that hosts its replicas, such as generator).",
+        ),
     ] = 1,
     nats_creds: Annotated[
         Path | None, typer.Option("--nats-creds", help="The stage's login (JSON or .creds).")
@@ -95,7 +101,7 @@ def serve_cli(
             run_dir=run_dir,
             overrides=overrides or (),
             max_steps=max_steps,
-        ).keep_only(stage, replicas)
+        ).keep_only(stage, replicas, replica)
     except (PipelineConfigError, StageError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc

@@ -112,19 +112,27 @@ class Pipeline:
             raise StageError("cannot add a stage to a running pipeline")
         if any(s.name == stage.name for s, _ in self._entries):
             raise StageError(f"two stages named {stage.name!r}; give one a `name=`")
-        if replicas < 1 or (stage.is_source and replicas != 1):
+        one = stage.is_source and not stage.hosts_replicas
+        if replicas < 1 or (one and replicas != 1):
             raise StageError(f"stage {stage.name}: replicas must be >= 1 (exactly 1 for a source)")
+        if stage.hosts_replicas:
+            stage.replica_ids = tuple(range(replicas))
         self._entries.append((stage, replicas))
         return self
 
-    def keep_only(self, name: str, replicas: int | None = None) -> Pipeline:
+    def keep_only(self, name: str, replicas: int | None = None, replica: int = 0) -> Pipeline:
         """This pipeline reduced to the stage ``name`` (``dora stage serve``: the others run in
-        other processes), with ``replicas`` pull loops if given."""
+        other processes), with ``replicas`` pull loops if given; a stage that hosts its
+        replicas hosts ``replicas`` of them from index ``replica``."""
         kept = [(s, replicas or n) for s, n in self._entries if s.name == name]
         if not kept:
             known = ", ".join(s.name for s, _ in self._entries)
             raise StageError(f"no stage named {name!r}; the pipeline has: {known}")
-        self._entries = kept
+        stage, count = kept[0]
+        if stage.hosts_replicas:
+            stage.replica_ids = tuple(range(replica, replica + (replicas or 1)))
+            count = len(stage.replica_ids)
+        self._entries = [(stage, count)]
         return self
 
     @property

@@ -306,6 +306,9 @@ class ProcessRun:
             for key, value in info.get("stats", {}).items():
                 if isinstance(value, int | float) and key in merged["stats"]:
                     merged["stats"][key] += value
+            for key, value in info.items():  # a stage's own counts (a generator's finished)
+                if key != "replicas" and isinstance(merged.get(key), int | float):
+                    merged[key] += value if isinstance(value, int | float) else 0
         end = self._finished_at or time.time()
         return {
             "pipeline": self.pipeline.name,

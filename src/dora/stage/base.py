@@ -121,6 +121,10 @@ class Stage:
                        ``emits`` and ``deadletter`` only.
     ``kv_writes``      KV keys (NATS wildcards allowed, ``{name}`` = the stage's name) it
                        writes; the login may write no other.
+    ``hosts_replicas`` a service stage (a source) that runs one copy of its service per
+                       replica itself, e.g. one engine per generator replica: in one process
+                       it hosts every replica, under ``dora stage serve --replica I`` only
+                       replica I; ``self.replica_ids`` says which.
     """
 
     name: ClassVar[str] = ""
@@ -133,6 +137,8 @@ class Stage:
     Config: ClassVar[type[BaseModel]] = EmptyConfig
     publishes: ClassVar[tuple[str, ...]] = ()
     kv_writes: ClassVar[tuple[str, ...]] = ()
+    hosts_replicas: ClassVar[bool] = False
+    replica_ids: tuple[int, ...] = (0,)
 
     def __init__(
         self,

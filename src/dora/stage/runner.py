@@ -53,7 +53,7 @@ class StageRunner:
     ) -> None:
         if replicas < 1:
             raise StageError(f"stage {stage.name}: replicas must be >= 1")
-        if stage.is_source and replicas != 1:
+        if stage.is_source and replicas != 1 and not stage.hosts_replicas:
             raise StageError(f"stage {stage.name}: a source runs as exactly one replica")
         self.stage = stage
         self.bus = bus

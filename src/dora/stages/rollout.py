@@ -1,5 +1,9 @@
 """The rollout stage: a fleet of built-in engines behind the dispatcher and the orchestrator.
 
+The whole rollout in one stage (one process), for small pipelines and tests; a pipeline that
+lists ``dispatcher``, ``generator`` (with replicas) and ``orchestrator`` runs the same
+services as separate stages, each of which can have its own process.
+
 A service stage (a source that publishes through its own components): ``setup`` starts the
 engines, the dispatcher and the mode's version controller, ``teardown`` stops them. Engines
 load version 0 from the run's model directory and later versions from the learner's
@@ -17,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from dora.events import Event, SamplingParams
 from dora.rollout.generator import RolloutMode
 from dora.stage import Context, Stage
+from dora.stages.generator import check_fields
 from dora.stages.model_source import ModelSource
 
 
@@ -52,15 +57,10 @@ class RolloutConfig(BaseModel):
     def _known_fields(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         """Checked at load, so a misspelt field fails before a server or a warm start runs."""
         from dora.engines.torch import EngineConfig
-        from dora.learner.config import build_dataclass
         from dora.rollout.orchestrator import OrchestratorConfig
 
         target = EngineConfig if info.field_name == "engine" else OrchestratorConfig
-        try:
-            build_dataclass(target, value, str(info.field_name))
-        except TypeError as exc:
-            raise ValueError(str(exc)) from exc
-        return value
+        return check_fields(target, value, str(info.field_name))
 
 
 class RolloutStage(Stage):

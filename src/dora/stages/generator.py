@@ -1,0 +1,126 @@
+"""The generator stage: one built-in engine per replica, pulling its version's requests.
+
+Each replica is a ``Generator`` (``dora.rollout.generator``) around a ``TorchEngine`` named
+``engine-<replica>``: in one process the stage hosts every replica; ``dora run --processes``
+(or ``dora stage serve --replica I``) gives each its own process. Version 0 comes from the
+run's model directory, later versions from the learner's ``WeightVersion`` blobs, verified by
+checksum. The dispatcher, the orchestrator and the other generators are reached only over
+the bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from dora.events import Event
+from dora.rollout.generator import RolloutMode
+from dora.stage import Context, Stage
+from dora.stages.model_source import ModelSource
+from dora.stages.service import Services
+
+
+def check_fields(target: type, value: dict[str, Any], field_name: str) -> dict[str, Any]:
+    """A dataclass's fields checked at load, so a misspelt one fails before anything starts."""
+    from dora.learner.config import build_dataclass
+
+    try:
+        build_dataclass(target, value, field_name)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from exc
+    return value
+
+
+class GeneratorStageConfig(BaseModel):
+    """The engine each replica runs and how many requests it holds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelSource
+    mode: RolloutMode = "dora"
+    max_running: int = Field(default=32, ge=1, description="Requests one engine holds.")
+    engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="EngineConfig fields.",
+        json_schema_extra={"fields": "dora.engines.torch.config:EngineConfig"},
+    )
+    torch_threads: int | None = Field(default=1, ge=1, description="Intra-op threads per op.")
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_fields(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        from dora.engines.torch import EngineConfig
+
+        return check_fields(EngineConfig, value, str(info.field_name))
+
+
+class GeneratorStage(Stage):
+    """``replicas`` generators, one engine each (``engine-<replica>``)."""
+
+    name = "generator"
+    Config = GeneratorStageConfig
+    hosts_replicas = True
+    # trajectories, its status, migration records (the import side); replies to control
+    # requests go to the caller's inbox
+    publishes = ("trajectories", "status", "migrations")
+
+    async def setup(self, ctx: Context) -> None:
+        import torch
+
+        from dora.engines.torch import EngineConfig, TorchEngine
+        from dora.learner.weights import WeightFetcher
+        from dora.rollout.generator import Generator, GeneratorConfig
+
+        cfg: GeneratorStageConfig = self.config
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+        directory = await asyncio.to_thread(cfg.model.resolve)
+        engine_config = EngineConfig(**cfg.engine)
+        fetch = WeightFetcher(ctx.bus).fetch
+        self.generators: list[Generator] = []
+        self.services = Services()
+        for replica in self.replica_ids:
+            engine = await asyncio.to_thread(
+                TorchEngine.from_pretrained, directory, engine_config, f"engine-{replica}", 0
+            )
+            generator = Generator(
+                engine,
+                ctx.bus,
+                fetch,
+                GeneratorConfig(
+                    engine_id=engine.engine_id,
+                    mode=cfg.mode,
+                    max_running=cfg.max_running,
+                    initial_version=0,
+                ),
+            )
+            self.generators.append(generator)
+            self.services.start(engine.engine_id, generator.run(), generator.stop)
+        # ready: consuming its version's queue and announcing its status
+        await self.services.until(g.ready for g in self.generators)
+        ctx.log.info("generators_started", engines=[g.config.engine_id for g in self.generators])
+
+    async def produce(self, ctx: Context) -> AsyncIterator[Event]:
+        await self.services.watch()
+        yield  # pragma: no cover - makes this an async generator
+
+    async def teardown(self, ctx: Context) -> None:
+        services = getattr(self, "services", None)
+        if services is not None:
+            await services.stop()
+
+    def progress_done(self) -> int | None:
+        generators = getattr(self, "generators", None)
+        return None if generators is None else sum(g.stats.finished for g in generators)
+
+    def summary(self) -> dict[str, Any]:
+        generators = getattr(self, "generators", [])
+        return {
+            "finished": sum(g.stats.finished for g in generators),
+            "migrations_in": sum(g.stats.imported for g in generators),
+            "reprefilled_tokens": sum(g.stats.reprefilled_tokens for g in generators),
+            "resubmitted": sum(g.stats.resubmitted for g in generators),
+        }

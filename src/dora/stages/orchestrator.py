@@ -1,0 +1,85 @@
+"""The orchestrator stage: decides which version each engine serves.
+
+In dora mode it is the ``OrchestratorService`` (with its migrator: consolidating old
+versions' requests onto fewer engines by moving them with their KV cache); in the baseline
+modes (``sync``, ``one_step_off``, ``partial``) the ``BaselineController``. Both reach the
+engines only through ``control.<engine>`` requests and their status events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from dora.events import Event
+from dora.rollout.generator import RolloutMode
+from dora.stage import Context, Stage
+from dora.stages.generator import check_fields
+from dora.stages.service import Services
+
+
+class OrchestratorStageConfig(BaseModel):
+    """The rollout mode and the dora-mode policy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: RolloutMode = "dora"
+    orchestrator: dict[str, Any] = Field(
+        default_factory=dict,
+        description="OrchestratorConfig fields (dora mode).",
+        json_schema_extra={"fields": "dora.rollout.orchestrator:OrchestratorConfig"},
+    )
+    engine_timeout_s: float = Field(
+        default=5.0, gt=0, description="An engine silent this long is gone."
+    )
+
+    @field_validator("orchestrator")
+    @classmethod
+    def _policy_fields(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        from dora.rollout.orchestrator import OrchestratorConfig
+
+        return check_fields(OrchestratorConfig, value, str(info.field_name))
+
+
+class OrchestratorStage(Stage):
+    """The mode's version controller (one replica)."""
+
+    name = "orchestrator"
+    Config = OrchestratorStageConfig
+    publishes = ("control", "migrations")  # commands to engines, migration records
+
+    async def setup(self, ctx: Context) -> None:
+        from dora.rollout.baseline_controller import BaselineController
+        from dora.rollout.orchestrator import OrchestratorConfig
+        from dora.rollout.orchestrator_service import (
+            OrchestratorService,
+            OrchestratorServiceConfig,
+        )
+
+        cfg: OrchestratorStageConfig = self.config
+        self.controller: OrchestratorService | BaselineController
+        if cfg.mode == "dora":
+            self.controller = OrchestratorService(
+                ctx.bus,
+                OrchestratorServiceConfig(
+                    engine_timeout_s=cfg.engine_timeout_s,
+                    policy=OrchestratorConfig(**cfg.orchestrator),
+                ),
+            )
+        else:
+            self.controller = BaselineController(
+                ctx.bus, cfg.mode, engine_timeout_s=cfg.engine_timeout_s
+            )
+        self.services = Services()
+
+    async def produce(self, ctx: Context) -> AsyncIterator[Event]:
+        self.services.start("controller", self.controller.run(), self.controller.stop)
+        await self.services.watch()
+        yield  # pragma: no cover - makes this an async generator
+
+    async def teardown(self, ctx: Context) -> None:
+        services = getattr(self, "services", None)
+        if services is not None:
+            await services.stop()
