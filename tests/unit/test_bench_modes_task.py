@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import typer
+import yaml
 
 from dora.bench.modes import cli
 from dora.bench.modes_task import _spec
@@ -44,3 +45,16 @@ def test_staleness_without_task_is_refused() -> None:
             staleness=1,
             out=None,
         )
+
+
+def test_spec_switches_every_rollout_stage_of_the_quickstart(tmp_path) -> None:
+    from dora.pipeline import load_pipeline
+
+    spec = _spec("partial", seed=3, steps=8, task="tally", every=2, staleness=1)
+    for kind in ("dispatcher", "generator", "orchestrator"):
+        assert _stage(spec, kind)["mode"] == "partial", kind
+    assert _stage(spec, "dispatcher")["seed"] == 3
+    assert _stage(spec, "dispatcher")["staleness_bound"] == 1
+    path = tmp_path / "partial.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    load_pipeline(path)  # one mode everywhere: it loads

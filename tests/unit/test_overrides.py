@@ -18,20 +18,26 @@ def stage_config(spec, kind: str) -> dict:
 
 def test_values_are_read_as_yaml() -> None:
     assert parse_override("learner.learner.max_steps=5") == (["learner", "learner", "max_steps"], 5)
-    assert parse_override("rollout.engine={num_blocks: 8}")[1] == {"num_blocks": 8}
+    assert parse_override("generator.engine={num_blocks: 8}")[1] == {"num_blocks": 8}
     assert parse_override("x.mode=dora")[1] == "dora"
     assert parse_override("x.flag=true")[1] is True
     with pytest.raises(OverrideError, match=r"STAGE\.path\.to\.field=VALUE"):
-        parse_override("rollout.engines")
+        parse_override("generator.replicas")
 
 
 def test_overrides_reach_stage_configs_and_top_level_keys() -> None:
     spec = read_pipeline_file(
         QUICKSTART,
-        ["rollout.engines=3", "learner.learner.optim.lr=0.001", "run_id=mine", "rollout.seed=4"],
+        [
+            "generator.replicas=3",
+            "learner.learner.optim.lr=0.001",
+            "run_id=mine",
+            "dispatcher.seed=4",
+        ],
     )
-    rollout, learner = stage_config(spec, "rollout"), stage_config(spec, "learner")
-    assert rollout["engines"] == 3 and rollout["seed"] == 4
+    dispatcher, learner = stage_config(spec, "dispatcher"), stage_config(spec, "learner")
+    assert next(s for s in spec.stages if s.type == "generator").replicas == 3
+    assert dispatcher["seed"] == 4
     assert learner["learner"]["optim"]["lr"] == 0.001
     assert learner["learner"]["optim"]["warmup_steps"] == 5  # siblings are kept
     assert spec.run_id == "mine"
@@ -44,7 +50,8 @@ def test_max_steps_sets_the_learner_and_its_schedule() -> None:
 
 
 def test_a_bad_override_names_the_stage_or_field() -> None:
-    with pytest.raises(PipelineConfigError, match=r"no stage named .learnr.; stages: learner"):
+    known = r"stages: dispatcher, generator, learner"
+    with pytest.raises(PipelineConfigError, match=rf"no stage named .learnr.; {known}"):
         read_pipeline_file(QUICKSTART, ["learnr.learner.max_steps=5"])
     with pytest.raises(PipelineConfigError, match="'run_id' has no fields"):
         read_pipeline_file(QUICKSTART, ["run_id.x=1"])
@@ -55,7 +62,7 @@ def test_a_bad_override_names_the_stage_or_field() -> None:
 def test_a_wrong_type_fails_at_load_naming_the_field() -> None:
     from dora.pipeline import load_pipeline
 
-    with pytest.raises(PipelineConfigError, match=r"stages\[4\]\.config\.count"):
+    with pytest.raises(PipelineConfigError, match=r"stages\[6\]\.config\.count"):
         load_pipeline(QUICKSTART, overrides=["prompt_source.count=many"])
 
 
@@ -85,7 +92,9 @@ def test_smoke_run_is_a_few_steps_without_the_held_out_eval() -> None:
 
 def test_shared_settings_are_stated_once_and_overridden_in_one_place() -> None:
     plain = read_pipeline_file(QUICKSTART)
-    assert stage_config(plain, "learner")["model"] == stage_config(plain, "rollout")["model"]
+    model = stage_config(plain, "learner")["model"]
+    assert stage_config(plain, "generator")["model"] == stage_config(plain, "dispatcher")["model"]
+    assert stage_config(plain, "generator")["model"] == model
     spec = read_pipeline_file(QUICKSTART, ["prompt_source.task_config.max_steps=30"])
     assert stage_config(spec, "prompt_source")["task_config"]["max_steps"] == 30
     # the same anchor feeds the eval's task config: an override of one use is not a second

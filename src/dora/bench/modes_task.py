@@ -56,7 +56,9 @@ def _spec(
     spec = _read(task)
     for entry in spec["stages"]:
         config = entry.setdefault("config", {})
-        if entry["type"] == "rollout":
+        if entry["type"] in ("generator", "orchestrator"):
+            config["mode"] = mode
+        elif entry["type"] in ("rollout", "dispatcher"):  # the one that tags and admits
             config.update(mode=mode, seed=seed)
             if staleness is not None:
                 config["staleness_bound"] = staleness
@@ -117,7 +119,7 @@ def _run_one(
     asyncio.run(pipeline.run())
     metrics = read_metrics(run_dir)
     step_time = {m["step"] + 1: m["time"] - started for m in metrics}
-    rollout = next(e["config"] for e in spec["stages"] if e["type"] == "rollout")
+    rollout = next(e["config"] for e in spec["stages"] if e["type"] in ("rollout", "dispatcher"))
     per_step = rollout["batch_groups"] * rollout["group_size"]
     return {
         "mode": mode,

@@ -316,7 +316,7 @@ def cli(
         typer.Option(
             "--set",
             help="STAGE.path.to.field=VALUE (STAGE: a stage's name or type; VALUE read as "
-            "YAML), e.g. --set rollout.engines=3; repeatable.",
+            "YAML), e.g. --set generator.replicas=3; repeatable.",
         ),
     ] = None,
     max_steps: Annotated[

@@ -3,7 +3,8 @@
 A run is often the shipped pipeline with one or two values changed (fewer steps, another
 seed, more engines). Copying the YAML to change them is how configs drift, so ``dora run``
 takes overrides instead. Each names a stage (by its ``name``, else its ``type``) and a path
-inside that stage's ``config``; a path whose first part is a top-level key of the file
+inside that stage's ``config`` (or ``replicas``, ``concurrency``, ``consumes``: the entry's own
+keys); a path whose first part is a top-level key of the file
 (``run_id``, ``drain_timeout_s``, ...) sets that key. The value is read as YAML (``5``,
 ``0.1``, ``true``, ``[1, 2]``, ``{a: 1}``; anything else is a string). Overrides are applied
 to the parsed file before it is validated, so a wrong field fails at load exactly as it would
@@ -18,6 +19,8 @@ from typing import Any
 import yaml
 
 TOP_LEVEL = ("name", "run_id", "nats", "stream_max_msgs", "drain_timeout_s")
+ENTRY_KEYS = ("replicas", "concurrency", "consumes")
+"""Keys of a stage's entry itself, not of its ``config`` (``--set generator.replicas=3``)."""
 
 
 class OverrideError(ValueError):
@@ -62,7 +65,11 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, 
             continue
         if len(parts) < 2:
             raise OverrideError(f"--set {text!r}: give a field of the stage, e.g. {parts[0]}.x=1")
-        node = _stage_entry(raw, parts[0], text).setdefault("config", {})
+        entry = _stage_entry(raw, parts[0], text)
+        if len(parts) == 2 and parts[1] in ENTRY_KEYS:  # generator.replicas=3
+            entry[parts[1]] = value
+            continue
+        node = entry.setdefault("config", {})
         for i, part in enumerate(parts[1:-1], start=1):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):

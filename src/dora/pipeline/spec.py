@@ -204,7 +204,24 @@ def load_pipeline(
             raise PipelineConfigError(_errors(path, f"{where}.config", exc)) from exc
         except (StageError, TypeError) as exc:
             raise PipelineConfigError(f"{path}: {where}: {exc}") from exc
+    check_one_mode(path, pipeline)
     return pipeline
+
+
+def check_one_mode(path: Path, pipeline: Pipeline) -> None:
+    """The rollout's stages (dispatcher, generators, orchestrator) must run one mode: a
+    dispatcher tagging for ``partial`` beside a ``dora`` orchestrator would never finish."""
+    modes = {
+        stage.name: mode
+        for stage in pipeline.stages
+        if isinstance(mode := getattr(stage.config, "mode", None), str)
+    }
+    if len(set(modes.values())) > 1:
+        each = ", ".join(f"{name}: {mode}" for name, mode in modes.items())
+        raise PipelineConfigError(
+            f"{path}: the rollout stages disagree on `mode` ({each}); state it once "
+            "(a YAML anchor) or override every one"
+        )
 
 
 def importable_beside(path: Path) -> None:

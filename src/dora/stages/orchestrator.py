@@ -83,3 +83,25 @@ class OrchestratorStage(Stage):
         services = getattr(self, "services", None)
         if services is not None:
             await services.stop()
+
+    def _counts(self) -> dict[str, int]:
+        """Commands sent: version assignments and (dora mode) migrations."""
+        from dora.rollout.actions import AssignEngine, MigrateRequests
+
+        controller = getattr(self, "controller", None)
+        if controller is None:
+            return {}
+        if not hasattr(controller, "actions"):  # the baseline controller
+            return {"assignments": len(controller.assignments)}
+        actions = [action for _, action in controller.actions]
+        return {
+            "assignments": sum(isinstance(a, AssignEngine) for a in actions),
+            "migrations": sum(isinstance(a, MigrateRequests) for a in actions),
+        }
+
+    def progress_done(self) -> int | None:
+        counts = self._counts()
+        return sum(counts.values()) if counts else None
+
+    def summary(self) -> dict[str, Any]:
+        return self._counts()
