@@ -31,9 +31,9 @@ def small_quickstart(repo_root: Path, tmp_path: Path) -> Path:
 def test_dora_run_quickstart_on_embedded_nats(
     repo_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dora.cli import run_cmd
+    from dora.cli import progress_view
 
-    monkeypatch.setattr(run_cmd, "PLAIN_PROGRESS_S", 0.0)  # a line at every refresh
+    monkeypatch.setattr(progress_view, "PLAIN_EVERY_S", 0.0)  # a line at every refresh
     run_dir = tmp_path / "run"
     args = ["run", str(small_quickstart(repo_root, tmp_path)), "--run-dir", str(run_dir)]
     result = CliRunner().invoke(app, [*args, "--run-id", "qs-test"])

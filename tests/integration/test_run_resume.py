@@ -94,20 +94,23 @@ def gone(pid: int, within_s: float = 30.0) -> bool:
     return False
 
 
-def check_invariants(run_dir: Path) -> None:
+def check_invariants(run_dir: Path, steps: int = STEPS, k: int = K, g: int = G) -> None:
     metrics = read_metrics(run_dir)
-    assert [m["step"] for m in metrics] == list(range(STEPS))
-    assert all(m["values"]["staleness/max"] <= K for m in metrics)
+    assert [m["step"] for m in metrics] == list(range(steps))
+    assert all(m["values"]["staleness/max"] <= k for m in metrics)
     events = run_dir / "events"
     recorded = [json.loads(line) for line in (events / "metrics.jsonl").open()]
-    assert sorted(m["step"] for m in recorded) == list(range(STEPS)), "a step ran twice"
+    assert sorted(m["step"] for m in recorded) == list(range(steps)), "a step ran twice"
     consumed = Counter(g for m in recorded for g in m["consumed_groups"])
     assert consumed and max(consumed.values()) == 1, "a group was trained twice"
     trajectories = [json.loads(line) for line in (events / "trajectories.jsonl").open()]
     ids = Counter(t["request"]["request_id"] for t in trajectories)
     assert max(ids.values()) == 1, "a request produced two trajectories"
+    for t in trajectories:  # one version each, never re-prefilled
+        assert t["version"] == t["request"]["version"] and not t["token_versions"], t
+        assert t["reprefilled_tokens"] == 0, t
     per_group = Counter(t["request"]["group_id"] for t in trajectories)
-    assert all(per_group[g] == G for g in consumed), "a consumed group lacks a trajectory"
+    assert all(per_group[group] == g for group in consumed), "a consumed group lacks a trajectory"
     dead = events / "deadletter.jsonl"
     assert not dead.exists() or dead.read_text().strip() == ""
 

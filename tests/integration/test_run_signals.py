@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from dora.models.warmstart import is_complete
+from dora.training.warmstart import is_complete
 
 PIPELINE = """
 name: interrupted

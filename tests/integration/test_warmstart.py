@@ -8,7 +8,7 @@ import pytest
 
 from dora.models import load_pretrained, load_tokenizer
 from dora.models.generate import generate
-from dora.models.warmstart import WarmstartConfig, read_result, warmstart
+from dora.training.warmstart import WarmstartConfig, read_result, warmstart
 
 FAST = dict(
     steps=3,
@@ -39,7 +39,7 @@ def test_warmstart_writes_and_reuses(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert model.config.num_hidden_layers == 1
     assert len(generate(model, tok, [tok.encode("Q: 1+2\nA:\n", add_bos=True)], 3)[0]) <= 3
 
-    import dora.models.warmstart as ws
+    import dora.training.warmstart as ws
 
     def no_training(*args: object, **kwargs: object) -> None:
         raise AssertionError("cached warm start must not train again")

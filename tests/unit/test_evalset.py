@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dora.models.evaluate import clustered_mean, compare_scores, summarize_scores
 from dora.tasks import make_task
 from dora.tasks.arithmetic import identity, parse_terms
 from dora.tasks.evalset import EvalSetSpec, build_eval_set
+from dora.training.evaluate import clustered_mean, compare_scores, summarize_scores
 
 
 def test_eval_set_is_distinct_stratified_held_out_and_frozen() -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-import dora.models.evaluate as ev
+import dora.training.evaluate as ev
 from dora.models.tokenizer import CharTokenizer
 from dora.tasks import make_task
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from dora.models.tokenizer import CharTokenizer
-from dora.models.warmstart import WarmstartConfig, demonstration, packed_batches
 from dora.tasks import make_task
+from dora.training.warmstart import WarmstartConfig, demonstration, packed_batches
 
 
 def test_shortcut_fraction_gives_answer_only_demonstrations_in_that_share() -> None:
@@ -71,7 +71,7 @@ def test_guess_shortcuts_state_a_made_up_answer_of_the_possible_size() -> None:
 def test_guess_line_without_a_task_guess_redraws_the_digits() -> None:
     import random
 
-    from dora.models.warmstart import guess_line
+    from dora.training.warmstart import guess_line
 
     task = make_task("countdown", seed=0)
     prompt = next(task.prompts("train", 1))

@@ -96,7 +96,7 @@ def _evaluate(model_dir: Path, task: Task, eval_set: EvalSet) -> tuple[float, fl
     """Greedy accuracy of a checkpoint on the frozen eval set, with its SE clustered by
     problem."""
     from dora.models import load_pretrained, load_tokenizer
-    from dora.models.evaluate import clustered_mean, score_eval_set
+    from dora.training.evaluate import clustered_mean, score_eval_set
 
     model = load_pretrained(model_dir)
     scores = score_eval_set(model, load_tokenizer(model_dir), task, eval_set)

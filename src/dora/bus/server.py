@@ -98,12 +98,12 @@ def running_server_url(store_dir: Path) -> str | None:
     return None
 
 
-def die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the thread that started us dies (Linux)."""
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """In the child before exec: ``sig`` when the thread that started us dies (Linux)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+        libc.prctl(pr_set_pdeathsig, sig, 0, 0, 0)
     except OSError:  # not glibc Linux: no parent-death signal, stop() still runs
         pass
 

@@ -20,6 +20,7 @@ import typer
 
 from dora import interrupt
 from dora.bus.auth import CREDENTIALS_DIR, OUTSIDE_ROLES, NatsAuth
+from dora.cli.progress_view import ProgressView, progress_rows
 from dora.logs import LEVELS
 from dora.logs import configure as configure_logs
 
@@ -30,33 +31,9 @@ if TYPE_CHECKING:
     from dora.pipeline.processes import ProcessRun
 
 
-def _progress_rows(pipeline: Pipeline) -> list[tuple[str, int, int | None, str]]:
-    rows = []
-    for runner in pipeline.runners:
-        stats, stage = runner.stats, runner.stage
-        own = stage.progress_done()
-        done = stats.processed if own is None else own
-        extra = f"in {stats.received} out {stats.published}"
-        if stats.retried or stats.dead_lettered:
-            extra += f" retried {stats.retried} dead {stats.dead_lettered}"
-        rows.append((stage.name, done, stage.progress_total(), extra))
-    return rows
-
-
 SMOKE_STEPS = 3
 SMOKE_OVERRIDES = ("learner.eval.set.per_stratum=0",)
 """``--smoke``: a few steps and no held-out eval (the learner stage found by its type)."""
-
-PLAIN_PROGRESS_S = 10.0
-"""Off a terminal, a one-line progress report this often (the live view needs a TTY)."""
-
-
-def _plain_progress(pipeline: Pipeline) -> str:
-    """``progress  learner 12/150 | rollout 830 | ...``: every stage's processed count."""
-    parts = []
-    for name, done, total, _extra in _progress_rows(pipeline):
-        parts.append(f"{name} {done}/{total}" if total else f"{name} {done}")
-    return "progress  " + " | ".join(parts)
 
 
 async def _run(
@@ -68,8 +45,6 @@ async def _run(
 ) -> dict[str, Any]:
     """Run to completion; a first signal drains the stages (its number lands in
     ``received``), a second one, or one during start-up, cancels."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     loop = asyncio.get_running_loop()
     interrupt.clear()
     stop = asyncio.Event()
@@ -86,36 +61,19 @@ async def _run(
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, on_signal, sig)
-    progress = Progress(
-        TextColumn("[bold]{task.description:<12}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[extra]}"),
-        TimeElapsedColumn(),
-        console=console,
-        disable=quiet,
-    )
     try:
         async with pipeline:
             _announce(pipeline, console)
-            ids = {}
-            for name, done, total, extra in _progress_rows(pipeline):
-                ids[name] = progress.add_task(name, total=total, completed=done, extra=extra)
             waiter = asyncio.create_task(pipeline.wait())
             stopper = asyncio.create_task(stop.wait())
-            plain = not console.is_terminal and not quiet  # a log file or CI: no live view
-            last_line = loop.time()
-            with progress:
+            with ProgressView(console, quiet) as view:
+                view.show(progress_rows(pipeline.progress()))
                 while not waiter.done():
                     await asyncio.wait({waiter, stopper}, timeout=refresh_s)
-                    if plain and loop.time() - last_line >= PLAIN_PROGRESS_S:
-                        last_line = loop.time()
-                        console.print(_plain_progress(pipeline), highlight=False, soft_wrap=True)
                     if stopper.done() and not waiter.done():
                         console.print("[yellow]stopping: draining stages...")
                         await pipeline.stop()
-                    for name, done, total, extra in _progress_rows(pipeline):
-                        progress.update(ids[name], completed=done, total=total, extra=extra)
+                    view.show(progress_rows(pipeline.progress()))
             stopper.cancel()
             await waiter
     finally:
@@ -128,10 +86,15 @@ async def _run(
 
 
 async def _run_processes(
-    supervisor: ProcessRun, console: Console, received: list[int], quiet: bool = False
+    supervisor: ProcessRun,
+    console: Console,
+    received: list[int],
+    refresh_s: float = 0.5,
+    quiet: bool = False,
 ) -> dict[str, Any]:
     """``--processes``: the supervisor runs the stage processes; a first signal drains them
-    all, a second one gives up. A plain progress line every few seconds."""
+    all, a second one gives up. The live view is the in-process one, fed by the processes'
+    progress files."""
     loop = asyncio.get_running_loop()
     interrupt.clear()
     current = asyncio.current_task()
@@ -148,15 +111,14 @@ async def _run_processes(
             loop.add_signal_handler(sig, on_signal, sig)
     try:
         task = asyncio.create_task(supervisor.run())
-        announced, last_line = False, loop.time()
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.2)
-            if not announced and supervisor.children:
-                _announce(supervisor.pipeline, console)
-                announced = True
-            if not quiet and not task.done() and loop.time() - last_line >= PLAIN_PROGRESS_S:
-                last_line = loop.time()
-                console.print(supervisor.progress_line(), highlight=False)
+        announced = False
+        with ProgressView(console, quiet) as view:
+            while not task.done():
+                await asyncio.wait({task}, timeout=refresh_s)
+                if not announced and supervisor.children:
+                    _announce(supervisor.pipeline, console)
+                    announced = True
+                view.show(progress_rows(supervisor.progress()), supervisor.progress_line())
         summary = await task
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -229,7 +191,7 @@ def _print_summary(console: Console, summary: dict[str, Any], path: Path) -> Non
         results = [
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
             for k, v in info.items()
-            if k not in ("stats", "replicas", "done")
+            if k not in ("stats", "replicas", "done", "total")
         ]
         if results:
             console.print(f"{name}: " + "  ".join(results), highlight=False, soft_wrap=True)
@@ -376,10 +338,9 @@ def cli(
         nats_creds = nats_creds or _path_or_none(info.get("nats_creds"))
         nats_ca = nats_ca or _path_or_none(info.get("nats_ca"))
         overrides, max_steps = info.get("overrides") or [], info.get("max_steps")
+        processes = processes or bool(info.get("processes"))  # as it ran
     if pipeline is None:
         raise typer.BadParameter("give a PIPELINE file, or --resume RUN_DIR")
-    if processes and resume is not None:
-        raise typer.BadParameter("--processes does not resume a run yet; drop one of them")
     if (nats_creds or nats_ca) and not nats:
         raise typer.BadParameter("--nats-creds and --nats-ca log in to a --nats server")
     try:
@@ -428,6 +389,7 @@ def cli(
         "nats_ca": str(nats_ca.resolve()) if nats_ca else None,
         "overrides": list(overrides or ()),
         "max_steps": max_steps,
+        "processes": processes,
     }
     (pipe.run_dir / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
     received: list[int] = []

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import structlog
 import typer
@@ -22,16 +23,16 @@ from dora import interrupt
 from dora.logs import LEVELS
 from dora.logs import configure as configure_logs
 
+if TYPE_CHECKING:
+    from dora.pipeline import Pipeline
+
 app = typer.Typer(help="Run one stage of a pipeline in this process (see `dora run --processes`).")
 
 
-async def serve(pipeline: object, ready: Path) -> None:
+async def serve(pipeline: Pipeline, ready: Path, progress: Path) -> None:
     """Run until the stage finishes or a signal drains it; raise if it fails. ``ready`` is
     written once the stage has started (its consumers exist): the supervisor starts the next
-    stage only then."""
-    from dora.pipeline import Pipeline
-
-    assert isinstance(pipeline, Pipeline)
+    stage only then. ``progress``: its counters, kept current for the supervisor."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 
@@ -47,11 +48,32 @@ async def serve(pipeline: object, ready: Path) -> None:
         ready.write_text("")
         waiter = asyncio.create_task(pipeline.wait())
         stopper = asyncio.create_task(stop.wait())
+        reporter = asyncio.create_task(report_progress(pipeline, progress))
         await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if not waiter.done():
             await pipeline.stop()
         stopper.cancel()
-        await waiter
+        try:
+            await waiter
+        finally:
+            reporter.cancel()
+            write_progress(pipeline, progress)
+
+
+PROGRESS_EVERY_S = 1.0
+
+
+async def report_progress(pipeline: Pipeline, path: Path) -> None:
+    """The stage's counters for the supervisor's live view, rewritten every second."""
+    while True:
+        write_progress(pipeline, path)
+        await asyncio.sleep(PROGRESS_EVERY_S)
+
+
+def write_progress(pipeline: Pipeline, path: Path) -> None:
+    from dora.files import write_atomically
+
+    write_atomically(path, json.dumps(pipeline.progress()))
 
 
 @app.command("serve")
@@ -86,7 +108,7 @@ def serve_cli(
     """Serve one stage replica until it finishes (finite stages) or is signalled."""
     from dora.bus.auth import NatsAuth
     from dora.pipeline import PipelineConfigError, PipelineError, load_pipeline
-    from dora.pipeline.processes import ready_path, summary_path
+    from dora.pipeline.processes import progress_path, ready_path, summary_path
     from dora.stage import StageError
 
     if log_level not in LEVELS:
@@ -112,7 +134,13 @@ def serve_cli(
     configure_logs(run_dir, log_level, file_level="debug" if log_level == "debug" else "info")  # type: ignore[arg-type]
     structlog.contextvars.bind_contextvars(process=f"{stage}-{replica}")
     try:
-        asyncio.run(serve(pipeline, ready_path(run_dir, stage, replica)))
+        asyncio.run(
+            serve(
+                pipeline,
+                ready_path(run_dir, stage, replica),
+                progress_path(run_dir, stage, replica),
+            )
+        )
     except PipelineError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc

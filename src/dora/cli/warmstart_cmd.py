@@ -22,7 +22,7 @@ def cli(
     from rich.console import Console
     from rich.table import Table
 
-    from dora.models.warmstart import WarmstartConfig, read_result, warmstart
+    from dora.training.warmstart import WarmstartConfig, read_result, warmstart
 
     fields: dict[str, object] = {"preset": preset, "task": task, "seed": seed, "threads": threads}
     if steps is not None:

@@ -13,6 +13,7 @@ import time
 
 import structlog
 
+from dora.crashpoints import crash_point
 from dora.events import Metrics
 from dora.learner.batching import Batch
 from dora.learner.service_checkpoints import CheckpointGlue
@@ -26,6 +27,7 @@ class TrainingStep(CheckpointGlue):
     async def _train(self, batch: Batch) -> None:
         step = self.step
         metrics = await asyncio.to_thread(self.trainer.step, batch.groups, step=step)
+        crash_point("learner.after_optimizer_step")
         step_end = time.time()
         self.buffer.mark_consumed(batch.groups)
         self.step = step + 1
@@ -35,6 +37,7 @@ class TrainingStep(CheckpointGlue):
             self._journal, step, {g.group_id: g.ledger_version for g in batch.groups}
         )
         metrics.update(self._bookkeeping(batch))
+        crash_point("learner.before_publish")
         event = await self.publisher.publish(
             self.model, self.step, step=step, metrics=metrics, step_end=step_end
         )

@@ -413,6 +413,7 @@ class Pipeline:
 
     def summary(self) -> dict[str, Any]:
         end = self._finished_at or time.time()
+        progress = self.progress()
         return {
             "pipeline": self.name,
             "run_id": self.run_id,
@@ -422,14 +423,20 @@ class Pipeline:
             "run_dir_bytes": folder_bytes(self.run_dir),
             "left_in_streams": self.left_in_streams,
             "stages": {
-                r.stage.name: {
-                    "replicas": r.replicas,
-                    "stats": r.stats.as_dict(),
-                    **_own_progress(r.stage),
-                    **r.stage.summary(),
-                }
-                for r in self.runners
+                r.stage.name: {**progress[r.stage.name], **r.stage.summary()} for r in self.runners
             },
+        }
+
+    def progress(self) -> dict[str, dict[str, Any]]:
+        """Per stage: replicas, counters, and its own ``done``/``total`` where it counts
+        them (cheap: the live view reads it several times a second)."""
+        return {
+            r.stage.name: {
+                "replicas": r.replicas,
+                "stats": r.stats.as_dict(),
+                **_own_progress(r.stage),
+            }
+            for r in self.runners
         }
 
     def write_summary(self, summary: dict[str, Any] | None = None) -> Path:
@@ -460,6 +467,10 @@ def folder_bytes(path: Path) -> int:
 
 
 def _own_progress(stage: Stage) -> dict[str, int]:
-    """``{"done": n}`` for a service stage that counts its own work (see ``progress_done``)."""
-    done = stage.progress_done()
-    return {} if done is None else {"done": done}
+    """``{"done": n, "total": t}`` where the stage counts its own work (``progress_done``) or
+    knows how much there is (``progress_total``)."""
+    done, total = stage.progress_done(), stage.progress_total()
+    return {
+        **({} if done is None else {"done": done}),
+        **({} if total is None else {"total": total}),
+    }

@@ -26,6 +26,7 @@ import structlog
 
 from dora.bus.auth import stage_login
 from dora.bus.server import die_with_parent
+from dora.files import write_atomically
 from dora.pipeline.core import Pipeline, PipelineError, folder_bytes
 
 log = structlog.get_logger(__name__)
@@ -39,6 +40,11 @@ STAGES_DIR = "stages"
 
 def summary_path(run_dir: Path, stage: str, replica: int) -> Path:
     return Path(run_dir) / STAGES_DIR / f"{stage}-{replica}.json"
+
+
+def progress_path(run_dir: Path, stage: str, replica: int) -> Path:
+    """Its counters while it runs (``Pipeline.progress``), for the supervisor's live view."""
+    return Path(run_dir) / STAGES_DIR / f"{stage}-{replica}.progress.json"
 
 
 def ready_path(run_dir: Path, stage: str, replica: int) -> Path:
@@ -190,7 +196,9 @@ class ProcessRun:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches the supervisor, which drains them
-            preexec_fn=die_with_parent if sys.platform == "linux" else None,
+            # the supervisor killed: its stages die as it did (their work is redelivered on
+            # resume); a drain would only wait on the server, which goes with it
+            preexec_fn=kill_with_parent if sys.platform == "linux" else None,
         )
         child.pump = asyncio.create_task(self._pump(child, child.proc))
         self._record()
@@ -279,8 +287,9 @@ class ProcessRun:
             }
             for c in self.children
         }
-        path = self.pipeline.run_dir / PROCESSES_FILE
-        path.write_text(json.dumps(record, indent=2) + "\n")
+        write_atomically(
+            self.pipeline.run_dir / PROCESSES_FILE, json.dumps(record, indent=2) + "\n"
+        )
 
     def progress_line(self) -> str:
         up = sum(c.running for c in self.children)
@@ -288,6 +297,19 @@ class ProcessRun:
         done = [c.name for c in self.children if c.finished]
         line = f"processes {up}/{len(self.children)} running, {restarts} restarts"
         return line + (f", finished: {', '.join(done)}" if done else "")
+
+    def progress(self) -> dict[str, dict[str, Any]]:
+        """``Pipeline.progress``'s shape, merged from the processes' progress files (the
+        stages that have started; replicas add their counts)."""
+        merged: dict[str, dict[str, Any]] = {}
+        for child in self.children:
+            path = progress_path(self.pipeline.run_dir, child.stage, child.replica)
+            try:
+                info = json.loads(path.read_text())[child.stage]
+            except (OSError, ValueError, KeyError):
+                continue
+            add_replica(merged, child.stage, info)
+        return merged
 
     def summary(self) -> dict[str, Any]:
         """The in-process summary's shape, merged from each process's own summary."""
@@ -298,17 +320,7 @@ class ProcessRun:
                 info = json.loads(path.read_text())["stages"][child.stage]
             except (OSError, ValueError, KeyError):
                 continue
-            merged = stages.get(child.stage)
-            if merged is None:  # the first replica's results; the others add their counts
-                stages[child.stage] = {**info, "stats": dict(info.get("stats", {})), "replicas": 1}
-                continue
-            merged["replicas"] += 1
-            for key, value in info.get("stats", {}).items():
-                if isinstance(value, int | float) and key in merged["stats"]:
-                    merged["stats"][key] += value
-            for key, value in info.items():  # a stage's own counts (a generator's finished)
-                if key != "replicas" and isinstance(merged.get(key), int | float):
-                    merged[key] += value if isinstance(value, int | float) else 0
+            add_replica(stages, child.stage, info)
         end = self._finished_at or time.time()
         return {
             "pipeline": self.pipeline.name,
@@ -321,3 +333,26 @@ class ProcessRun:
             "processes": {c.name: {"restarts": c.restarts} for c in self.children},
             "stages": stages,
         }
+
+
+def add_replica(merged: dict[str, dict[str, Any]], stage: str, info: dict[str, Any]) -> None:
+    """Fold one replica's process report into ``merged[stage]``: the first is taken as it is,
+    the others add their counters and counts (a generator's ``finished``); ``total`` is the
+    stage's, not a sum."""
+    into = merged.get(stage)
+    if into is None:
+        merged[stage] = {**info, "stats": dict(info.get("stats", {})), "replicas": 1}
+        return
+    into["replicas"] += 1
+    for key, value in info.get("stats", {}).items():
+        if isinstance(value, int | float) and key in into["stats"]:
+            into["stats"][key] += value
+    for key, value in info.items():
+        counted = isinstance(value, int | float) and isinstance(into.get(key), int | float)
+        if counted and key not in ("replicas", "total"):
+            into[key] += value
+
+
+def kill_with_parent() -> None:
+    """In a stage process before exec: SIGKILL when the supervisor dies."""
+    die_with_parent(signal.SIGKILL)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import structlog
 
 from dora.bus import Bus, BusError
+from dora.crashpoints import crash_point
 from dora.events import (
     ControlReply,
     Event,
@@ -90,6 +91,7 @@ class Migrator:
         if exported.blob is None:
             await self._restore(action, request_id)
             return await self._record(action, request_id, False, "export: no blob", started)
+        crash_point("orchestrator.after_export")
         try:
             await self._command(
                 action.target,

@@ -48,6 +48,15 @@ class GeneratorStageConfig(BaseModel):
         json_schema_extra={"fields": "dora.engines.torch.config:EngineConfig"},
     )
     torch_threads: int | None = Field(default=1, ge=1, description="Intra-op threads per op.")
+    status_interval_s: float = Field(
+        default=0.5, gt=0, description="How often each engine publishes its status."
+    )
+    export_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="A request exported for a migration that neither moved nor came back "
+        "within this (the orchestrator died mid-migration) goes on generating here.",
+    )
 
     @field_validator("engine")
     @classmethod
@@ -94,6 +103,8 @@ class GeneratorStage(Stage):
                     engine_id=engine.engine_id,
                     mode=cfg.mode,
                     max_running=cfg.max_running,
+                    export_timeout_s=cfg.export_timeout_s,
+                    status_interval_s=cfg.status_interval_s,
                     initial_version=0,
                 ),
             )

@@ -138,9 +138,9 @@ class LearnerStage(Stage):
         standard errors clustered by problem, and the paired gain. Per-problem scores go to
         ``eval_scores.json`` (to pool seeds or re-analyse without re-running)."""
         from dora.models import load_pretrained
-        from dora.models.evaluate import compare_scores, score_eval_set, summarize_scores
         from dora.tasks import make_task
         from dora.tasks.evalset import build_eval_set
+        from dora.training.evaluate import compare_scores, score_eval_set, summarize_scores
 
         cfg: EvalConfig = self.config.eval
         task = make_task(cfg.task, **cfg.task_config)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from dora.models.warmstart import WarmstartConfig, warmstart
+from dora.training.warmstart import WarmstartConfig, warmstart
 
 
 class ModelSource(BaseModel):

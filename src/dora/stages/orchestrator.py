@@ -31,6 +31,12 @@ class OrchestratorStageConfig(BaseModel):
         description="OrchestratorConfig fields (dora mode).",
         json_schema_extra={"fields": "dora.rollout.orchestrator:OrchestratorConfig"},
     )
+    tick_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="How often it plans; default: the controller's own (0.25 s dora, 0.1 s "
+        "baselines).",
+    )
     engine_timeout_s: float = Field(
         default=5.0, gt=0, description="An engine silent this long is gone."
     )
@@ -59,18 +65,20 @@ class OrchestratorStage(Stage):
         )
 
         cfg: OrchestratorStageConfig = self.config
+        tick = {} if cfg.tick_s is None else {"tick_s": cfg.tick_s}
         self.controller: OrchestratorService | BaselineController
         if cfg.mode == "dora":
             self.controller = OrchestratorService(
                 ctx.bus,
                 OrchestratorServiceConfig(
+                    **tick,
                     engine_timeout_s=cfg.engine_timeout_s,
                     policy=OrchestratorConfig(**cfg.orchestrator),
                 ),
             )
         else:
             self.controller = BaselineController(
-                ctx.bus, cfg.mode, engine_timeout_s=cfg.engine_timeout_s
+                ctx.bus, cfg.mode, engine_timeout_s=cfg.engine_timeout_s, **tick
             )
         self.services = Services()
 

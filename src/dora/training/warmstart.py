@@ -31,10 +31,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from dora import interrupt
 from dora.events import Prompt
 from dora.models.checkpoint import build_model, save_pretrained
-from dora.models.evaluate import evaluate_task
 from dora.models.llama import LlamaModel
 from dora.models.tokenizer import CharTokenizer
 from dora.tasks import Task, make_task
+from dora.training.evaluate import evaluate_task
 
 log = structlog.get_logger(__name__)
 
