@@ -91,6 +91,7 @@ async def test_custom_pipeline_example_runs(repo_root: Path, tmp_path: Path) -> 
     assert summary["stages"]["tally"] == {
         "right": 10,
         "wrong": 0,
+        "total": 10,  # what it expects (the progress bar's total)
         "replicas": 1,
         "stats": summary["stages"]["tally"]["stats"],
     }

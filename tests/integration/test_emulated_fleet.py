@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from dora.bench.emulated_fleet import EmulatedConfig, run_emulated, summarize
 from dora.bus.server import NatsServer
+from dora.testing.emulated_fleet import EmulatedConfig, run_emulated, summarize
 
 pytestmark = [pytest.mark.nats]
 

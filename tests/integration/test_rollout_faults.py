@@ -45,11 +45,11 @@ from dora.rollout.generator import (
     RolloutMode,
     request_queue_spec,
 )
-from dora.rollout.learner_standin import LearnerStandin, StandinConfig
 from dora.rollout.migrator import Migrator
 from dora.rollout.orchestrator import OrchestratorConfig
 from dora.rollout.orchestrator_service import OrchestratorService, OrchestratorServiceConfig
 from dora.subjects import Subjects
+from dora.testing.learner_standin import LearnerStandin, StandinConfig
 from dora.versions import announce
 from tests.fakes import FakeEngine, fake_request
 

@@ -30,10 +30,10 @@ from dora.models import build_model
 from dora.rollout.dispatcher import DispatcherConfig
 from dora.rollout.fleet import FleetConfig, RolloutFleet
 from dora.rollout.generator import GeneratorConfig
-from dora.rollout.learner_standin import LearnerStandin, StandinConfig
 from dora.rollout.orchestrator import OrchestratorConfig
 from dora.rollout.orchestrator_service import OrchestratorServiceConfig
 from dora.subjects import Subjects
+from dora.testing.learner_standin import LearnerStandin, StandinConfig
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from dora.bench.emulated_engine import GroupSpecs, PacedSimEngine, TraceEvent
-from dora.bench.emulated_trace import breakdown, queue_points
-from dora.bench.emulated_workers import GeneratorBus
 from dora.bus import ConsumerSpec, MemoryBus
 from dora.engines.sim import SimEngine, workload_preset
 from dora.events import Prompt, RolloutRequest, SamplingParams
 from dora.subjects import Subjects
+from dora.testing.emulated_engine import GroupSpecs, PacedSimEngine, TraceEvent
+from dora.testing.emulated_trace import breakdown, queue_points
+from dora.testing.emulated_workers import GeneratorBus
 
 
 def _request(i: int, group: int = 0) -> RolloutRequest:
@@ -148,9 +148,9 @@ def test_breakdown_splits_idle_time_by_queue_state() -> None:
 
 @pytest.mark.parametrize("mode", ["partial", "dora"])
 def test_sim_breakdown_observes_without_changing_the_run(mode: str) -> None:
-    from dora.bench.emulated_trace import sim_breakdown
     from dora.engines.sim import cost_preset
     from dora.sim import SimConfig, simulate
+    from dora.testing.emulated_trace import sim_breakdown
 
     cfg = SimConfig(
         engines=4,
@@ -173,8 +173,8 @@ def test_sim_breakdown_observes_without_changing_the_run(mode: str) -> None:
 
 
 def test_scorer_trims_a_payload_to_what_the_learner_needs() -> None:
-    from dora.bench.emulated_workers import trimmed
     from dora.events import ResumeState
+    from dora.testing.emulated_workers import trimmed
 
     engine = SimEngine("e0", "dense-7b", "dapo-16k", seed=0)
     engine.load_weights(1)

@@ -2,7 +2,7 @@
 checked against the simulator on the same setting.
 
 Each mode runs on the real stages and a real (embedded) nats-server with ``SimEngine``s paced
-at ``time_scale`` emulated seconds per wall second (``dora.bench.emulated_fleet``); then the
+at ``time_scale`` emulated seconds per wall second (``dora.testing.emulated_fleet``); then the
 same setting runs in ``dora.sim`` (virtual time, no bus). Both report end-to-end tokens/s:
 completion tokens the learner consumed / time from the first dispatch to the end of the last
 step. Emulated time is wall time x ``time_scale``: an engine's decode step of 30 ms is 0.6 ms
@@ -49,7 +49,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from dora.bench.emulated_fleet import (
+from dora.testing.emulated_fleet import (
     EMULATED_MODES,
     EmulatedConfig,
     run_emulated,
@@ -89,7 +89,7 @@ def _with_ratios(rows: list[dict[str, Any]]) -> None:
 
 
 def _sim_row(cfg: EmulatedConfig) -> dict[str, Any]:
-    from dora.bench.emulated_trace import sim_breakdown
+    from dora.testing.emulated_trace import sim_breakdown
 
     r, parts = sim_breakdown(cfg.sim_config())
     return {

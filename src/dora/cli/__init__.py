@@ -68,10 +68,6 @@ def _main(
 
 def _register(target: typer.Typer, table: dict[str, str]) -> None:
     for name, module_name in table.items():
-        if (
-            importlib.util.find_spec(module_name) is None
-        ):  # TODO(coordinator): remove when all exist
-            continue
         module = importlib.import_module(module_name)
         if hasattr(module, "app"):
             target.add_typer(module.app, name=name)

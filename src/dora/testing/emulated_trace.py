@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dora.bench.emulated_engine import TraceEvent
+from dora.testing.emulated_engine import TraceEvent
 
 if TYPE_CHECKING:
     from dora.engines.sim.core import SimRequest, TimingCore

@@ -23,7 +23,6 @@ from typing import Any
 
 import structlog
 
-from dora.bench.emulated_engine import GroupSpecs, PacedSimEngine, TraceEvent
 from dora.bus import Bus, Consumer, ConsumerSpec, ConsumerState, Message, NatsBus
 from dora.engines.sim import workload_preset
 from dora.events import SamplingParams, ScoredTrajectory, Trajectory, WeightVersion
@@ -31,6 +30,7 @@ from dora.rollout.dispatch_service import DispatchService
 from dora.rollout.dispatcher import Dispatcher, DispatcherConfig
 from dora.rollout.generator import Generator, GeneratorConfig
 from dora.subjects import Subjects
+from dora.testing.emulated_engine import GroupSpecs, PacedSimEngine, TraceEvent
 
 log = structlog.get_logger(__name__)
 

@@ -42,14 +42,6 @@ from typing import Any
 import numpy as np
 import structlog
 
-from dora.bench.emulated_trace import Breakdown, breakdown
-from dora.bench.emulated_workers import (
-    EngineReport,
-    FrontReport,
-    WorkerProcesses,
-    serve_engines,
-    serve_front,
-)
 from dora.bus import Bus, NatsBus
 from dora.engines.sim import cost_preset, workload_preset
 from dora.events import (
@@ -61,11 +53,19 @@ from dora.events import (
 )
 from dora.rollout.baseline_controller import BaselineController
 from dora.rollout.generator import RolloutMode
-from dora.rollout.learner_standin import LearnerStandin, StandinConfig
 from dora.rollout.orchestrator import OrchestratorConfig
 from dora.rollout.orchestrator_service import OrchestratorService, OrchestratorServiceConfig
 from dora.sim import SimConfig
 from dora.subjects import Subjects
+from dora.testing.emulated_trace import Breakdown, breakdown
+from dora.testing.emulated_workers import (
+    EngineReport,
+    FrontReport,
+    WorkerProcesses,
+    serve_engines,
+    serve_front,
+)
+from dora.testing.learner_standin import LearnerStandin, StandinConfig
 from dora.versions import announce
 
 log = structlog.get_logger(__name__)

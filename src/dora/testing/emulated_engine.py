@@ -84,7 +84,7 @@ class PacedSimEngine(SimEngine):
         self.scale = time_scale
         self.trace: list[TraceEvent] = []
         """What happened on this engine, in wall seconds (``time.time()``): where its idle
-        time went (``dora.bench.emulated_trace`` reduces it)."""
+        time went (``dora.testing.emulated_trace`` reduces it)."""
 
     def restart_clock(self) -> None:
         """Virtual time 0 is now (call on idle engines, just before the run starts)."""
