@@ -9,16 +9,15 @@ dispatcher continues where the last one stopped.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dora.events import Event, SamplingParams
+from dora.events import SamplingParams
 from dora.rollout.generator import RolloutMode
-from dora.stage import Context, Stage
+from dora.stage import Context
 from dora.stages.model_source import ModelSource
-from dora.stages.service import Services
+from dora.stages.service import ServiceStage
 
 
 class DispatcherStageConfig(BaseModel):
@@ -47,7 +46,7 @@ def context_length(directory: Path) -> int:
     return ModelConfig.load(directory).max_position_embeddings
 
 
-class DispatcherStage(Stage):
+class DispatcherStage(ServiceStage):
     """One dispatcher per run (its state is one KV document)."""
 
     name = "dispatcher"
@@ -79,17 +78,7 @@ class DispatcherStage(Stage):
             tokenize=lambda text: tokenizer.encode(text, add_bos=True),
         )
         self.service = DispatchService(ctx.bus, dispatcher)
-        self.services = Services()
-
-    async def produce(self, ctx: Context) -> AsyncIterator[Event]:
         self.services.start("dispatcher", self.service.run(), self.service.stop)
-        await self.services.watch()
-        yield  # pragma: no cover - makes this an async generator
-
-    async def teardown(self, ctx: Context) -> None:
-        services = getattr(self, "services", None)
-        if services is not None:
-            await services.stop()
 
     def progress_done(self) -> int | None:
         service = getattr(self, "service", None)

@@ -11,16 +11,14 @@ the bus.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from dora.events import Event
 from dora.rollout.generator import RolloutMode
-from dora.stage import Context, Stage
+from dora.stage import Context
 from dora.stages.model_source import ModelSource
-from dora.stages.service import Services
+from dora.stages.service import ServiceStage
 
 
 def check_fields(target: type, value: dict[str, Any], field_name: str) -> dict[str, Any]:
@@ -66,7 +64,7 @@ class GeneratorStageConfig(BaseModel):
         return check_fields(EngineConfig, value, str(info.field_name))
 
 
-class GeneratorStage(Stage):
+class GeneratorStage(ServiceStage):
     """``replicas`` generators, one engine each (``engine-<replica>``)."""
 
     name = "generator"
@@ -90,7 +88,6 @@ class GeneratorStage(Stage):
         engine_config = EngineConfig(**cfg.engine)
         fetch = WeightFetcher(ctx.bus).fetch
         self.generators: list[Generator] = []
-        self.services = Services()
         for replica in self.replica_ids:
             engine = await asyncio.to_thread(
                 TorchEngine.from_pretrained, directory, engine_config, f"engine-{replica}", 0
@@ -113,15 +110,6 @@ class GeneratorStage(Stage):
         # ready: consuming its version's queue and announcing its status
         await self.services.until(g.ready for g in self.generators)
         ctx.log.info("generators_started", engines=[g.config.engine_id for g in self.generators])
-
-    async def produce(self, ctx: Context) -> AsyncIterator[Event]:
-        await self.services.watch()
-        yield  # pragma: no cover - makes this an async generator
-
-    async def teardown(self, ctx: Context) -> None:
-        services = getattr(self, "services", None)
-        if services is not None:
-            await services.stop()
 
     def progress_done(self) -> int | None:
         generators = getattr(self, "generators", None)

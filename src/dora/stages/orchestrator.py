@@ -8,16 +8,14 @@ engines only through ``control.<engine>`` requests and their status events.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from dora.events import Event
 from dora.rollout.generator import RolloutMode
-from dora.stage import Context, Stage
+from dora.stage import Context
 from dora.stages.generator import check_fields
-from dora.stages.service import Services
+from dora.stages.service import ServiceStage
 
 
 class OrchestratorStageConfig(BaseModel):
@@ -49,7 +47,7 @@ class OrchestratorStageConfig(BaseModel):
         return check_fields(OrchestratorConfig, value, str(info.field_name))
 
 
-class OrchestratorStage(Stage):
+class OrchestratorStage(ServiceStage):
     """The mode's version controller (one replica)."""
 
     name = "orchestrator"
@@ -80,17 +78,7 @@ class OrchestratorStage(Stage):
             self.controller = BaselineController(
                 ctx.bus, cfg.mode, engine_timeout_s=cfg.engine_timeout_s, **tick
             )
-        self.services = Services()
-
-    async def produce(self, ctx: Context) -> AsyncIterator[Event]:
         self.services.start("controller", self.controller.run(), self.controller.stop)
-        await self.services.watch()
-        yield  # pragma: no cover - makes this an async generator
-
-    async def teardown(self, ctx: Context) -> None:
-        services = getattr(self, "services", None)
-        if services is not None:
-            await services.stop()
 
     def _counts(self) -> dict[str, int]:
         """Commands sent: version assignments and (dora mode) migrations."""

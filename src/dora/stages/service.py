@@ -9,10 +9,13 @@ process); NATS redelivers what it left unacknowledged.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from typing import Any
 
 import structlog
+
+from dora.events import Event
+from dora.stage import Context, Stage
 
 log = structlog.get_logger(__name__)
 
@@ -62,3 +65,19 @@ class Services:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.tasks, self._stops = [], []
+
+
+class ServiceStage(Stage):
+    """A stage whose work is its services (started in ``setup`` with ``self.services.start``):
+    ``produce`` waits on them and fails with the first that fails, ``teardown`` stops them."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.services = Services()
+
+    async def produce(self, ctx: Context) -> AsyncIterator[Event]:
+        await self.services.watch()
+        yield  # pragma: no cover - makes this an async generator
+
+    async def teardown(self, ctx: Context) -> None:
+        await self.services.stop()
