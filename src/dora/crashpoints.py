@@ -21,6 +21,7 @@ ENV_ONCE = "DORA_CRASH_ONCE"
 POINTS = (
     "learner.after_optimizer_step",  # stepped; nothing journaled, published or acked
     "learner.before_publish",  # stepped and journaled; the new version not yet published
+    "learner.after_publish",  # the new version published; the step not yet reported
     "orchestrator.after_export",  # mid-migration: exported, not yet imported
 )
 """Where ``crash_point`` is called (``DORA_CRASH_AT`` names some of these)."""

@@ -244,10 +244,12 @@ def test_crashes_mid_migration_and_mid_step_are_survived(tmp_path: Path) -> None
     """Real SIGKILLs at exact moments (``dora.crashpoints``), each once, in one run: the
     orchestrator between a migration's export and its import (the source engine restores the
     parked request after ``export_timeout_s``), the learner after its optimizer step (nothing
-    journaled, published or acked) and, restarted, after journaling a step but before
-    publishing its weights. The run completes with the invariants, and migrations happened."""
+    journaled, published or acked), after journaling a step but before publishing its
+    weights, and after publishing them but before reporting the step (the restarted learner
+    reports it). The run completes with the invariants, and migrations happened."""
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     points = "orchestrator.after_export,learner.after_optimizer_step:3,learner.before_publish:2"
+    points += ",learner.after_publish:4"
     crashed = tmp_path / "crashed"  # one file per point, written as it crashes there
     crashed.mkdir()
     env = {**os.environ, "DORA_CRASH_AT": points, "DORA_CRASH_ONCE": str(crashed)}
@@ -263,7 +265,7 @@ def test_crashes_mid_migration_and_mid_step_are_survived(tmp_path: Path) -> None
     seen = {p.name for p in crashed.iterdir()}
     assert seen == {name.split(":")[0] for name in points.split(",")}, seen
     restarts = {name: info["restarts"] for name, info in processes(run_dir).items()}
-    assert restarts["orchestrator-0"] == 1 and restarts["learner-0"] == 2, restarts
+    assert restarts["orchestrator-0"] == 1 and restarts["learner-0"] == 3, restarts
     check_invariants(run_dir, **MIGRATING)
     moved = [json.loads(line) for line in (run_dir / "events" / "migrations.jsonl").open()]
     assert any(m["ok"] for m in moved), "no migration completed"

@@ -52,6 +52,10 @@ class MetricsWriter:
         tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         os.replace(tmp, self.path)
 
+    def has_step(self, step: int) -> bool:
+        """A record of ``step`` is in the file."""
+        return any(record["step"] == step for record in read_metrics(self.run_dir))
+
     def write(self, step: int, values: dict[str, float]) -> None:
         """Record one step (non-finite values are kept in JSON as null and skipped in TB)."""
         clean = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in values.items()}

@@ -51,6 +51,7 @@ class LearnerService(ScoredIntake, TrainingStep):
         self._writer = MetricsWriter(
             self.run_dir, tensorboard=cfg.tensorboard, resume_step=self.step if resumed else None
         )
+        await self.report_adopted_step()
         if not resumed and cfg.publish_initial:
             await self.publisher.publish(self.model, 0, step=0)
         consumer = await self.bus.consumer(

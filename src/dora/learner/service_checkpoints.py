@@ -14,6 +14,7 @@ import asyncio
 
 import structlog
 
+from dora.events import Metrics
 from dora.learner.checkpoint import LearnerState
 from dora.learner.journal import JournalEntry
 from dora.learner.service_base import LearnerBase
@@ -70,7 +71,25 @@ class CheckpointGlue(LearnerBase):
                     buf.consumed_by_version[version] += 1
         log.info("learner_fast_forwarded", checkpoint_step=self.step, version=latest.version)
         self.step = latest.version
+        self._adopted = (latest, entries[-1]) if entries else None
         return True
+
+    async def report_adopted_step(self) -> None:
+        """The step that produced the adopted version may have died between publishing its
+        weights and reporting the step (the ``metrics.jsonl`` row, then the ``Metrics``
+        event): report it now, from the weights event's metrics and the journal, or the row
+        is missing for good and the dispatcher never learns its groups were consumed."""
+        adopted, self._adopted = getattr(self, "_adopted", None), None
+        if adopted is None or self._writer is None:
+            return
+        event, entry = adopted
+        if entry.step != event.step or self._writer.has_step(entry.step):
+            return  # reported before the crash (the row is written before the event)
+        values = {**event.metrics, "weights/version": float(event.version)}
+        self._writer.write(entry.step, values)
+        record = Metrics(step=entry.step, values=values, consumed_groups=tuple(entry.groups))
+        await self.bus.publish_event(self.bus.subjects.metrics, record)
+        log.info("learner_step_reported_after_resume", step=entry.step)
 
     def _journal(self, step: int, groups: dict[str, int]) -> None:
         self.journal.append(JournalEntry(step, groups))

@@ -41,6 +41,7 @@ class TrainingStep(CheckpointGlue):
         event = await self.publisher.publish(
             self.model, self.step, step=step, metrics=metrics, step_end=step_end
         )
+        crash_point("learner.after_publish")
         metrics["weights/publish_s"] = event.metrics["weights/publish_s"]
         metrics["weights/version"] = float(self.step)
         assert self._writer is not None
