@@ -34,7 +34,8 @@ from dora.bus.base import Bus, Consumer, ConsumerSpec, Message, Subscription
 from dora.contract import FAMILY_EVENTS
 from dora.events import EngineStatus, Event, Ledger
 from dora.reference_check import ReferenceCheck
-from dora.stage.deadletter import build_dead_letter, parse_event
+from dora.stage.deadletter import dead_letter, parse_event
+from dora.stage.pull import Puller
 
 log = structlog.get_logger(__name__)
 
@@ -303,19 +304,22 @@ class RunRecorder:
         """Fetch a batch, write it, flush, ack it; on stop, fetch until the stream is empty
         and nothing delivered to a crashed predecessor is still owed."""
         deadline: float | None = None
+        puller = Puller(consumer, "recorder")
         while True:
             if self._stopping.is_set() and deadline is None:
                 deadline = time.monotonic() + self.drain_timeout_s
             timeout = 0.2 if deadline is not None else self.flush_interval_s
-            msgs = await consumer.fetch(self.batch, timeout=timeout)
+            msgs = await puller.fetch(self.batch, timeout)
             refused = [(msg, reason) for msg in msgs if (reason := await self._write(family, msg))]
             self._flush(family)
+            lettered = set()
             if family in RECORDER_ONLY:  # no other stage reads it, so none dead-letters it
                 for msg, reason in refused:
-                    letter = await build_dead_letter(self.bus, msg, "recorder", reason)
-                    await self.bus.publish_event(self.bus.subjects.deadletter, letter)
+                    await dead_letter(self.bus, msg, "recorder", reason)
+                    lettered.add(id(msg))
             for msg in msgs:
-                await msg.ack()
+                if id(msg) not in lettered:
+                    await msg.ack()
             if deadline is None:
                 continue
             if not msgs and not await self._owed(consumer):

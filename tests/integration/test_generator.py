@@ -161,7 +161,7 @@ async def test_migration_moves_request_with_its_lease(nats_bus: NatsBus, bus2: N
     assert [(m.source, m.target, m.at_token) for m in traj.migrations] == [("src", "dst", 7)]
     assert traj.completion_token_ids == tuple((1 + k) % 97 for k in range(30))
     assert target.engine.prefill_tokens == prefill_before  # no re-prefill on import
-    assert source.engine.num_requests() == 0 and not source._held
+    assert source.engine.num_requests() == 0 and not source.held
 
 
 async def test_failed_import_restores_request_on_source(nats_bus: NatsBus, bus2: NatsBus) -> None:

@@ -261,7 +261,7 @@ async def test_engine_killed_mid_run(
         async with run.fleet:
             learning = asyncio.create_task(run.learner.run())
             # >= 1: one_step_off admits one batch (B * G = 4 requests) at a time
-            await until(lambda: len(victim._held) >= 1, what="the victim holding requests")
+            await until(lambda: len(victim.held) >= 1, what="the victim holding requests")
             lost = {rid: s.request.version for rid, s in victim.engine.running.items()}
             run.killed.add("e0")
             await kill(run.engine_buses[0], run.task("e0"))
@@ -504,7 +504,7 @@ async def test_orchestrator_restarted_mid_run(nats_server: NatsServer, subjects:
             assert fleet.failures() == []
         trajectories = await drain_trajectories(run.audit)
     run.check_invariants(trajectories)
-    assert sorted(fresh.status) == ["e0", "e1", "e2"]  # rebuilt from status events
+    assert sorted(fresh.engines.latest) == ["e0", "e1", "e2"]  # rebuilt from status events
     after = assigns(fresh)
     # versions 2 and 3 exist only after the restart: only the fresh one can have assigned them
     assert before == 1 and max(after, default=0) >= 2
@@ -521,7 +521,7 @@ async def test_request_fetched_across_a_version_switch_is_handed_back(
     (msg,) = await queue.fetch(batch=1, timeout=2.0)
     gen.engine.load_weights(1, {})  # the switch happened while the fetch was in flight
     await gen._admit(msg, 0)
-    assert gen.stats.dead_lettered == 0 and not gen._held
+    assert gen.stats.dead_lettered == 0 and not gen.held
     (again,) = await queue.fetch(batch=1, timeout=2.0)
     assert again.num_delivered == 2 and again.stream_seq == msg.stream_seq
     await again.ack()

@@ -30,8 +30,8 @@ async def _partial_fleet_on_v0(
     controller = BaselineController(bus, "partial")
     now = time.monotonic()
     for engine in handlers:
-        controller.status[engine] = _status(engine, 0)
-        controller.seen[engine] = now
+        controller.engines.latest[engine] = _status(engine, 0)
+        controller.engines.seen[engine] = now
     controller.newest = 1
     return controller
 
@@ -68,7 +68,7 @@ async def test_partial_update_reaches_every_engine_at_once() -> None:
     assert sorted(entered) == engines
     assert all(saw_all[e] for e in engines)
     assert sorted(e for _, e, v in controller.assignments if v == 1) == engines
-    assert all(controller.status[e].assigned_version == 1 for e in engines)
+    assert all(controller.engines.latest[e].assigned_version == 1 for e in engines)
     entered.clear()
     await controller.tick()  # nothing left to move
     assert entered == []
@@ -95,5 +95,5 @@ async def test_an_assignment_the_engine_refuses_is_not_recorded() -> None:
     controller = await _partial_fleet_on_v0(bus, {e: handler_for(e) for e in replies})
     await controller.tick()
     assert [(e, v) for _, e, v in controller.assignments] == [("e0", 1)]
-    assert controller.status["e0"].assigned_version == 1
-    assert controller.status["e1"].assigned_version == 0
+    assert controller.engines.latest["e0"].assigned_version == 1
+    assert controller.engines.latest["e1"].assigned_version == 0

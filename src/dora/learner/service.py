@@ -30,6 +30,7 @@ from dora.learner.metrics import MetricsWriter
 from dora.learner.service_base import HISTORY_STEPS, StepHook
 from dora.learner.service_intake import LEDGER_KEY, ScoredIntake
 from dora.learner.service_step import TrainingStep
+from dora.stage.pull import Puller
 
 log = structlog.get_logger(__name__)
 
@@ -63,12 +64,13 @@ class LearnerService(ScoredIntake, TrainingStep):
                 ack_wait_s=cfg.ack_wait_s,
             )
         )
+        scored = Puller(consumer, "learner")
         self.ready.set()
         heartbeat = asyncio.create_task(self._heartbeat())
         log.info("learner_started", step=self.step, resumed=resumed, b=cfg.batch_groups)
         try:
             while not self._done(stop_event):
-                for msg in await consumer.fetch(cfg.fetch_batch, timeout=cfg.fetch_timeout_s):
+                for msg in await scored.fetch(cfg.fetch_batch, cfg.fetch_timeout_s):
                     await self._receive(msg)
                 ledger = await self._read_ledger()
                 while not self._done(stop_event):

@@ -20,7 +20,7 @@ from dora.bus.base import Message
 from dora.events import DeadLetter, Ledger, ScoredTrajectory
 from dora.learner.batching import AddOutcome, InvalidTrajectory, sample_version
 from dora.learner.service_base import LearnerBase
-from dora.stage.deadletter import build_dead_letter, parse_event
+from dora.stage.deadletter import dead_letter, parse_event
 
 log = structlog.get_logger("dora.learner.service")
 
@@ -80,9 +80,7 @@ class ScoredIntake(LearnerBase):
     async def _dead_letter(self, msg: Message, reason: str) -> None:
         """Keep a sample the learner will never train on, with the reason; never redeliver it."""
         log.error("learner_dead_letter", reason=reason[:300], subject=msg.subject)
-        letter = await build_dead_letter(self.bus, msg, "learner", reason)
-        await self.bus.publish_event(self.bus.subjects.deadletter, letter)
-        await msg.term()
+        await dead_letter(self.bus, msg, "learner", reason)
 
     async def _heartbeat(self) -> None:
         """Keep held messages from being redelivered while they wait for a checkpoint."""

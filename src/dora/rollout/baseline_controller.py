@@ -32,7 +32,7 @@ from dora.events import AssignVersion, EngineStatus, WeightVersion
 from dora.rollout.control_client import ControlClient, ControlFailed
 from dora.rollout.generator import QUEUE_ACK_WAIT_S
 from dora.rollout.orchestrator_service import QueueDepths
-from dora.rollout.status_parse import parse_status
+from dora.rollout.status_board import StatusBoard
 from dora.versions import check_published
 
 log = structlog.get_logger(__name__)
@@ -59,8 +59,7 @@ class BaselineController:
         self.tick_s = tick_s
         self.engine_timeout_s = engine_timeout_s
         self.newest = 0
-        self.status: dict[str, EngineStatus] = {}
-        self.seen: dict[str, float] = {}
+        self.engines = StatusBoard(bus, owner="controller")
         self._floor = 0
         """Versions below it are finished: no queued work, no holder, never tagged again."""
         self.assignments: list[tuple[float, str, int]] = []
@@ -72,8 +71,7 @@ class BaselineController:
         self._stop.set()
 
     async def run(self) -> None:
-        status = await self.bus.subscribe(self.bus.subjects.status_all)
-        watch = asyncio.create_task(self._watch_status(status))
+        await self.engines.start()
         weights = await self.bus.subscribe(self.bus.subjects.weights)
         watch_weights = asyncio.create_task(self._watch_weights(weights))
         try:
@@ -82,17 +80,10 @@ class BaselineController:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.tick_s)
         finally:
-            await cancel_all([watch, watch_weights])
-            await status.unsubscribe()
+            await cancel_all([watch_weights])
+            await self.engines.close()
             await weights.unsubscribe()
             await self._depths.close()
-
-    async def _watch_status(self, sub: Subscription) -> None:
-        async for msg in sub:
-            status = await parse_status(self.bus, msg, "controller")
-            if status is not None:
-                self.status[status.engine_id] = status
-                self.seen[status.engine_id] = time.monotonic()
 
     async def _watch_weights(self, sub: Subscription) -> None:
         """Newest version announced; the dispatcher dead-letters what is not a real one."""
@@ -105,11 +96,7 @@ class BaselineController:
 
     async def tick(self) -> None:
         now = time.monotonic()
-        live = {
-            e: st
-            for e, st in sorted(self.status.items())
-            if now - self.seen.get(e, now) <= self.engine_timeout_s
-        }
+        live = self.engines.live(now, self.engine_timeout_s)
         held = Counter(r.version for st in live.values() for r in st.requests)
         depths: dict[int, int] = {}
 
@@ -145,7 +132,7 @@ class BaselineController:
         engine (it loads that version once its own requests finish). Work is left there when
         an engine died holding requests of it (orphans, redelivered), or when the learner
         published two versions between ticks and every engine jumped past it."""
-        gone = [st for e, st in self.status.items() if e not in live]
+        gone = [st for e, st in self.engines.latest.items() if e not in live]
         lost = {st.assigned_version for st in gone} | {
             r.version for st in gone for r in st.requests
         }
@@ -165,7 +152,7 @@ class BaselineController:
             pick = min(candidates, key=lambda st: (len(st.requests), st.engine_id))
             log.info("old_queue_served", engine=pick.engine_id, version=version)
             await self._assign(pick.engine_id, version)
-            live[pick.engine_id] = self.status[pick.engine_id]
+            live[pick.engine_id] = self.engines.latest[pick.engine_id]
 
     async def _assign(self, engine_id: str, version: int) -> None:
         """Assign, and record it only once the engine accepted it."""
@@ -174,7 +161,5 @@ class BaselineController:
         except ControlFailed as exc:
             log.warning("assign_failed", engine=engine_id, error=exc.reason)
             return
-        self.status[engine_id] = self.status[engine_id].model_copy(
-            update={"assigned_version": version}
-        )
+        self.engines.assume(engine_id, assigned_version=version)
         self.assignments.append((time.time(), engine_id, version))

@@ -22,15 +22,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import structlog
 
 from dora.aio import cancel_all
-from dora.bus import Bus, ConsumerSpec, Message, Subscription
+from dora.bus import Bus, ConsumerSpec, Message
 from dora.events import (
     DeadLetter,
-    EngineStatus,
+    Event,
     Metrics,
     Prompt,
     RolloutRequest,
@@ -39,11 +41,15 @@ from dora.events import (
 )
 from dora.rollout.dispatcher import Dispatcher, PromptRefused, Tokenize
 from dora.rollout.dispatcher_snapshot import SNAPSHOT_KEY, DispatcherSnapshot
-from dora.stage.deadletter import build_dead_letter, original_payload, parse_event
+from dora.rollout.status_board import StatusBoard
+from dora.stage.deadletter import dead_letter, original_payload, parse_event
+from dora.stage.pull import Puller, observe
 from dora.subjects import Subjects
 from dora.versions import check_published
 
 log = structlog.get_logger(__name__)
+
+E = TypeVar("E", bound=Event)
 
 LEDGER_KEY = "ledger"
 PROMPT_ACK_WAIT_S = 5.0
@@ -82,10 +88,11 @@ class DispatchService:
         self.max_prompts = max_prompts
         self.retry_s = retry_s
         self.stats = DispatchStats()
-        self.assigned: dict[str, int | None] = {}
         self.done = asyncio.Event()
         self._stop = asyncio.Event()
         self._changed = asyncio.Event()
+        self.engines = StatusBoard(bus, on_change=self._changed.set)
+        """Which versions have an engine (a bad status is the orchestrator's to dead-letter)."""
         self._lock = asyncio.Lock()
         self._log = log.bind(stage="dispatcher", mode=dispatcher.config.mode)
 
@@ -98,7 +105,7 @@ class DispatchService:
         # a snapshot) before it would both reject what it knew and overwrite its state.
         await self._restore()
         s = self.bus.subjects
-        status = await self.bus.subscribe(s.status_all)
+        await self.engines.start()
         consumers = {
             "scored": await self.bus.consumer(ConsumerSpec("dispatcher", s.scored)),
             "metrics": await self.bus.consumer(ConsumerSpec("dispatcher", s.metrics)),
@@ -108,24 +115,22 @@ class DispatchService:
         prompts = await self.bus.consumer(
             ConsumerSpec("dispatcher", s.prompts, max_ack_pending=1, ack_wait_s=PROMPT_ACK_WAIT_S)
         )
+        observers = {
+            "scored": Observer(self, ScoredTrajectory, self._on_scored),
+            "metrics": Observer(self, Metrics, self._on_metrics),
+            "weights": Observer(self, WeightVersion, self._on_weights),
+            "deadletter": self._on_dead_letters,
+        }
         tasks = [
-            asyncio.create_task(self._watch_status(status)),
-            asyncio.create_task(self._watch_refused_requests(consumers["deadletter"])),
-            *(
-                asyncio.create_task(self._watch(consumers[name], handle, model))
-                for name, handle, model in (
-                    ("scored", self._on_scored, ScoredTrajectory),
-                    ("metrics", self._on_metrics, Metrics),
-                    ("weights", self._on_weights, WeightVersion),
-                )
-            ),
+            asyncio.create_task(observe(consumers[name], handle, "dispatcher"))
+            for name, handle in observers.items()
         ]
         await self._write_ledger()
         try:
-            await self._dispatch_loop(prompts)
+            await self._dispatch_loop(Puller(prompts, "dispatcher"))
         finally:
             await cancel_all(tasks)
-            await status.unsubscribe()
+            await self.engines.close()
             for consumer in (*consumers.values(), prompts):
                 await consumer.close()
 
@@ -150,10 +155,9 @@ class DispatchService:
         admitted = self.dispatcher.groups_admitted
         return self.max_prompts is not None and admitted >= self.max_prompts
 
-    async def _dispatch_loop(self, prompts: object) -> None:
+    async def _dispatch_loop(self, prompts: Puller) -> None:
         while not self._stop.is_set() and not self._finished_quota():
-            msgs = await prompts.fetch(batch=1, timeout=0.5)  # type: ignore[attr-defined]
-            for msg in msgs:
+            for msg in await prompts.fetch(1, 0.5):
                 await self._dispatch(msg)
         if self._finished_quota():
             self.done.set()
@@ -174,7 +178,8 @@ class DispatchService:
             return
         while not self._stop.is_set():
             async with self._lock:
-                admission = self.dispatcher.admit(prompt, self.assigned.values())
+                assigned = [st.assigned_version for st in self.engines.latest.values()]
+                admission = self.dispatcher.admit(prompt, assigned)
             if admission.admitted:
                 break
             self.stats.refusals[admission.reason] = self.stats.refusals.get(admission.reason, 0) + 1
@@ -200,9 +205,8 @@ class DispatchService:
         self.dispatcher.mark_published()
 
     async def _dead_letter(self, msg: Message, reason: str) -> None:
-        letter = await build_dead_letter(self.bus, msg, "dispatcher", reason)
-        await self.bus.publish_event(self.bus.subjects.deadletter, letter)
-        await msg.term()
+        self._log.warning("dead_lettered", subject=msg.subject, reason=reason[:300])
+        await dead_letter(self.bus, msg, "dispatcher", reason)
 
     async def _write_ledger(self) -> None:
         """The dispatcher's state, then the ledger derived from it (both before any ack)."""
@@ -212,59 +216,38 @@ class DispatchService:
 
     # ------------------------------------------------------------------ observations
 
-    async def _watch_status(self, sub: Subscription) -> None:
-        async for msg in sub:
-            status, _ = parse_event(EngineStatus, msg.data)  # a bad one: the orchestrator's
-            if (
-                status is not None
-                and self.assigned.get(status.engine_id) != status.assigned_version
-            ):
-                self.assigned[status.engine_id] = status.assigned_version
-                self._changed.set()
-
-    async def _watch(self, consumer: object, handle: object, model: type) -> None:
-        """Apply each observation with ``handle``; what fails (a ``model`` that does not
-        validate, a reference the dispatcher does not know) is dead-lettered with the reason."""
-        while True:
-            msgs = await consumer.fetch(batch=256, timeout=1.0)  # type: ignore[attr-defined]
-            if not msgs:
-                continue
-            rejected: list[tuple[Message, str]] = []
-            async with self._lock:
-                for msg in msgs:
-                    event, reason = parse_event(model, msg.data)  # type: ignore[arg-type]
-                    if event is None:
-                        rejected.append((msg, reason))
-                        continue
-                    try:
-                        await handle(event)  # type: ignore[operator]
-                    except (ValueError, KeyError) as exc:
-                        rejected.append((msg, f"{type(exc).__name__}: {exc}"))
-            await self._write_ledger()
-            for msg, reason in rejected:  # kept with the reason, never silently dropped
-                self._log.warning("observation_rejected", subject=msg.subject, reason=reason)
-                letter = await build_dead_letter(self.bus, msg, "dispatcher", reason)
-                await self.bus.publish_event(self.bus.subjects.deadletter, letter)
+    async def observed(
+        self, msgs: list[Message], apply: Callable[[Message], Awaitable[None]]
+    ) -> None:
+        """Apply a batch of observations under the lock, then write the state once and settle
+        each message: acked, or dead-lettered with the reason ``apply`` raised."""
+        rejected: list[tuple[Message, str]] = []
+        async with self._lock:
             for msg in msgs:
+                try:
+                    await apply(msg)
+                except InvalidEvent as exc:
+                    rejected.append((msg, str(exc)))
+                except (ValueError, KeyError) as exc:
+                    rejected.append((msg, f"{type(exc).__name__}: {exc}"))
+        await self._write_ledger()
+        for msg, reason in rejected:  # kept with the reason, never silently dropped
+            await self._dead_letter(msg, reason)
+        for msg in msgs:
+            if all(msg is not r for r, _ in rejected):
                 await msg.ack()
-            self._changed.set()
+        self._changed.set()
 
-    async def _watch_refused_requests(self, consumer: object) -> None:
+    async def _on_dead_letters(self, msgs: list[Message]) -> None:
         """Abandon the group of every request a generator dead-lettered. Any other dead
         letter is none of the dispatcher's business (and is never dead-lettered again)."""
-        while True:
-            msgs = await consumer.fetch(batch=256, timeout=1.0)  # type: ignore[attr-defined]
-            if not msgs:
-                continue
-            async with self._lock:
-                for msg in msgs:
-                    request_id = refused_request_id(msg.data, self.bus.subjects)
-                    if request_id and self.dispatcher.on_abandoned(request_id):
-                        self.stats.abandoned += 1
-            await self._write_ledger()
-            for msg in msgs:
-                await msg.ack()
-            self._changed.set()
+
+        async def apply(msg: Message) -> None:
+            request_id = refused_request_id(msg.data, self.bus.subjects)
+            if request_id and self.dispatcher.on_abandoned(request_id):
+                self.stats.abandoned += 1
+
+        await self.observed(msgs, apply)
 
     async def _on_scored(self, scored: ScoredTrajectory) -> None:
         request = scored.trajectory.request
@@ -285,6 +268,33 @@ class DispatchService:
                 self.bus, event.version, "WeightVersion.version", checksum=event.checksum
             )
         self.dispatcher.observe_weights(event.version)
+
+
+class InvalidEvent(ValueError):
+    """A message that is not a valid event of its subject's type (the reason says why)."""
+
+
+class Observer:
+    """Reads one observation subject into the dispatcher: each message parsed as ``model``
+    and applied by ``handle``; one that does not validate, or names what the dispatcher does
+    not know (``ValueError``/``KeyError``), is dead-lettered with the reason."""
+
+    def __init__(
+        self,
+        service: DispatchService,
+        model: type[E],
+        handle: Callable[[E], Awaitable[None]],
+    ) -> None:
+        self.service, self.model, self.handle = service, model, handle
+
+    async def __call__(self, msgs: list[Message]) -> None:
+        await self.service.observed(msgs, self._apply)
+
+    async def _apply(self, msg: Message) -> None:
+        event, reason = parse_event(self.model, msg.data)
+        if event is None:
+            raise InvalidEvent(reason)
+        await self.handle(event)
 
 
 def refused_request_id(data: bytes, subjects: Subjects) -> str | None:

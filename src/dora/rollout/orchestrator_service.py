@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from dora.aio import cancel_all
-from dora.bus import Bus, ConsumerSpec, ConsumerState, Subscription
+from dora.bus import Bus, ConsumerSpec, ConsumerState, Message
 from dora.events import EngineStatus, Event, Ledger, Trajectory
 from dora.rollout.actions import (
     Action,
@@ -37,7 +37,8 @@ from dora.rollout.generator import QUEUE_ACK_WAIT_S, request_queue_spec
 from dora.rollout.migrator import Migrator
 from dora.rollout.orchestrator import DEFAULT_CONFIG, OrchestratorConfig, plan
 from dora.rollout.state import ClusterState, EngineView
-from dora.rollout.status_parse import parse_status
+from dora.rollout.status_board import StatusBoard
+from dora.stage.pull import observe
 
 log = structlog.get_logger(__name__)
 
@@ -116,7 +117,7 @@ class OrchestratorService:
         self.config = config or OrchestratorServiceConfig()
         self.control = ControlClient(bus, timeout_s=self.config.command_timeout_s)
         self.migrator = Migrator(bus, control=self.control)
-        self.status: dict[str, tuple[EngineStatus, float]] = {}
+        self.engines = StatusBoard(bus, owner="orchestrator")
         self.lengths = LengthRecorder()
         self.memory = _Memory()
         self.actions: list[tuple[float, Action]] = []
@@ -131,14 +132,11 @@ class OrchestratorService:
         self._stop.set()
 
     async def run(self) -> None:
-        status_sub = await self.bus.subscribe(self.bus.subjects.status_all)
+        await self.engines.start()
         lengths = await self.bus.consumer(
             ConsumerSpec("orchestrator", self.bus.subjects.trajectories)
         )
-        tasks = [
-            asyncio.create_task(self._watch_status(status_sub)),
-            asyncio.create_task(self._watch_lengths(lengths)),
-        ]
+        tasks = [asyncio.create_task(observe(lengths, self._record_lengths, "orchestrator"))]
         try:
             while not self._stop.is_set():
                 await self.tick()
@@ -147,25 +145,19 @@ class OrchestratorService:
         finally:
             await cancel_all(tasks)
             await asyncio.gather(*self._migrations, return_exceptions=True)
-            await status_sub.unsubscribe()
+            await self.engines.close()
             await lengths.close()
             await self._depths.close()
 
     # ------------------------------------------------------------------ inputs
 
-    async def _watch_status(self, sub: Subscription) -> None:
-        async for msg in sub:
-            status = await parse_status(self.bus, msg, "orchestrator")
-            if status is not None:
-                self.status[status.engine_id] = (status, time.monotonic())
-
-    async def _watch_lengths(self, consumer: object) -> None:
-        while True:
-            for msg in await consumer.fetch(batch=256, timeout=1.0):  # type: ignore[attr-defined]
-                with contextlib.suppress(ValueError):
-                    traj = Trajectory.model_validate_json(msg.data)
-                    self.lengths.add(len(traj.completion_token_ids))
-                await msg.ack()
+    async def _record_lengths(self, msgs: list[Message]) -> None:
+        """Completion lengths for the estimates (a bad trajectory is the recorder's to keep)."""
+        for msg in msgs:
+            with contextlib.suppress(ValueError):
+                traj = Trajectory.model_validate_json(msg.data)
+                self.lengths.add(len(traj.completion_token_ids))
+            await msg.ack()
 
     async def _read_ledger(self) -> Ledger | None:
         raw = await self.bus.kv_get("ledger")
@@ -182,8 +174,8 @@ class OrchestratorService:
         versions = {v.version for v in ledger.versions} if ledger else set()
         engines = []
         held: Counter[int] = Counter()
-        for _, (status, seen) in sorted(self.status.items()):
-            gone = now - seen > self.config.engine_timeout_s
+        for engine_id, status in sorted(self.engines.latest.items()):
+            gone = now - self.engines.seen[engine_id] > self.config.engine_timeout_s
             engines.append(self._view(status, "stopped" if gone else None))
             if status.assigned_version is not None:
                 versions.add(status.assigned_version)
@@ -220,7 +212,7 @@ class OrchestratorService:
 
     async def tick(self) -> list[Action]:
         """One round: build the state, plan, apply."""
-        if not self.status:
+        if not self.engines.latest:
             return []
         state = await self.build_state()
         actions = plan(state, self.config.policy)
@@ -234,10 +226,10 @@ class OrchestratorService:
             case AssignEngine(engine_id=engine_id, version=version):
                 if await self._send(engine_id, action.to_command()):
                     self.memory.assigned_at[engine_id] = now
-                    self._optimistic(engine_id, assigned=version, state="serving")
+                    self.engines.assume(engine_id, assigned_version=version, state="serving")
             case DrainEngine(engine_id=engine_id):
                 if await self._send(engine_id, action.to_command()):
-                    self._optimistic(engine_id, state="draining")
+                    self.engines.assume(engine_id, state="draining")
             case PrioritizeRequests(engine_id=engine_id, request_ids=ids, priority=priority):
                 if await self._send(engine_id, action.to_command()):
                     self.memory.priority.update(dict.fromkeys(ids, priority))
@@ -246,15 +238,6 @@ class OrchestratorService:
                 task = asyncio.create_task(self._migrate(action))
                 self._migrations.add(task)
                 task.add_done_callback(self._migrations.discard)
-
-    def _optimistic(self, engine_id: str, **update: object) -> None:
-        """Apply a command's effect to our copy until the engine's next status confirms it."""
-        if engine_id in self.status:
-            status, seen = self.status[engine_id]
-            fields = {"assigned_version": update.get("assigned", status.assigned_version)}
-            if "state" in update:
-                fields["state"] = update["state"]
-            self.status[engine_id] = (status.model_copy(update=fields), seen)
 
     async def _send(self, engine_id: str, command: Event) -> bool:
         try:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import uuid
 from typing import TypeVar
 
+import structlog
 from pydantic import ValidationError
 
 from dora.bus import Bus, Message
@@ -13,6 +15,7 @@ from dora.events import DeadLetter, Event
 from dora.stage.base import derived_id
 
 E = TypeVar("E", bound=Event)
+log = structlog.get_logger(__name__)
 
 INLINE_PAYLOAD_MAX = 256 * 1024
 """Payloads above this go to the blob store; the dead letter keeps a prefix and the blob name."""
@@ -96,3 +99,20 @@ async def build_dead_letter(bus: Bus, msg: Message, stage: str, reason: str) -> 
         stage=stage,
         deliveries=msg.num_delivered,
     )
+
+
+async def dead_letter(bus: Bus, msg: Message, stage: str, reason: str) -> bool:
+    """Publish ``msg``'s dead letter, then terminate ``msg`` (never redelivered): the one way
+    every stage gives up on a message. When the letter cannot be published, ``msg`` is naked
+    instead (it must not vanish without its letter) and False is returned."""
+    try:
+        letter = await build_dead_letter(bus, msg, stage, reason)
+        await bus.publish_event(bus.subjects.deadletter, letter)
+    except Exception as exc:
+        log.error("dead_letter_publish_failed", stage=stage, error=repr(exc), reason=reason[:300])
+        with contextlib.suppress(Exception):
+            await msg.nak(delay=min(2.0 ** max(msg.num_delivered, 1), 60.0))
+        return False
+    with contextlib.suppress(Exception):  # a lost term only means one redelivery, lettered again
+        await msg.term()
+    return True

@@ -23,7 +23,8 @@ from dora.bus import Bus, Consumer, ConsumerSpec, Message
 from dora.events import Event
 from dora.stage.base import Emitted, Reject, Stage, StageError, resolve_subject
 from dora.stage.context import Context
-from dora.stage.deadletter import build_dead_letter, validation_reason
+from dora.stage.deadletter import dead_letter, validation_reason
+from dora.stage.pull import Puller
 
 log = structlog.get_logger(__name__)
 
@@ -135,7 +136,7 @@ class StageRunner:
 
     async def _pull_loop(self, consumer: Consumer) -> None:
         inflight: set[asyncio.Task[None]] = set()
-        failures = 0
+        puller = Puller(consumer, self.stage.name)
         while not self._stopping.is_set():
             free = self.stage.concurrency - len(inflight)
             if free <= 0:
@@ -143,17 +144,7 @@ class StageRunner:
                 await asyncio.wait({*inflight, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 stopping.cancel()
                 continue
-            try:
-                msgs = await consumer.fetch(batch=free, timeout=self.fetch_timeout)
-                failures = 0
-            except TimeoutError:  # some clients raise instead of returning nothing
-                continue
-            except Exception as exc:  # a reconnecting bus: keep trying, loudly
-                failures += 1
-                self.ctx.log.warning("fetch failed", error=repr(exc), failures=failures)
-                await asyncio.sleep(min(0.1 * 2**failures, 5.0))
-                continue
-            for msg in msgs:
+            for msg in await puller.fetch(free, self.fetch_timeout):
                 task = asyncio.create_task(self._process(msg))
                 inflight.add(task)
                 task.add_done_callback(inflight.discard)
@@ -256,15 +247,6 @@ class StageRunner:
             await msg.nak(delay=delay)
 
     async def _dead_letter(self, msg: Message, reason: str) -> None:
-        try:
-            letter = await build_dead_letter(self.bus, msg, self.stage.name, reason)
-            await self.bus.publish_event(self.bus.subjects.deadletter, letter)
-        except Exception as exc:  # keep the message: it must not vanish without its letter
-            self.ctx.log.error("dead letter publish failed", error=repr(exc), reason=reason)
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=self.stage.retry.delay(msg.num_delivered))
-            return
-        self.ctx.log.warning("dead-lettered", reason=reason[:300], deliveries=msg.num_delivered)
-        self.stats.dead_lettered += 1
-        with contextlib.suppress(Exception):
-            await msg.term()
+        if await dead_letter(self.bus, msg, self.stage.name, reason):
+            self.ctx.log.warning("dead-lettered", reason=reason[:300], deliveries=msg.num_delivered)
+            self.stats.dead_lettered += 1

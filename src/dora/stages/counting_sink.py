@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dora.bus import Consumer, ConsumerSpec
 from dora.events import DeadLetter, ScoredTrajectory
 from dora.stage import Context, Stage
+from dora.stage.pull import Puller
 
 
 class CountingSinkConfig(BaseModel):
@@ -114,12 +115,9 @@ class CountingSink(Stage):
             self._journal.close()
 
     async def _count_dead(self, ctx: Context, consumer: Consumer) -> None:
+        puller = Puller(consumer, self.name)
         while True:
-            try:
-                msgs = await consumer.fetch(batch=64, timeout=0.25)
-            except TimeoutError:
-                continue
-            for msg in msgs:
+            for msg in await puller.fetch(64, 0.25):
                 try:
                     letter = DeadLetter.model_validate_json(msg.data)
                     key = letter.event_id
