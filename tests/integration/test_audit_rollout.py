@@ -13,7 +13,8 @@ from dora.audit import RunRecorder
 from dora.bus import ConsumerSpec, NatsBus
 from dora.events import AssignVersion, Drain, Migrate, Prompt, RolloutRequest, SamplingParams
 from dora.report import load_run, render_report, summarize
-from dora.rollout.generator import Generator, GeneratorConfig
+from dora.rollout.generator import Generator
+from dora.rollout.generator_config import GeneratorConfig
 from dora.rollout.migrator import Migrator
 from tests.fakes import FakeEngine
 

@@ -21,7 +21,8 @@ from dora.events import (
     SamplingParams,
     Trajectory,
 )
-from dora.rollout.generator import Generator, GeneratorConfig
+from dora.rollout.generator import Generator
+from dora.rollout.generator_config import GeneratorConfig
 from dora.rollout.migrator import Migrator
 from dora.subjects import Subjects
 from tests.fakes import FakeEngine, fake_request

@@ -10,7 +10,7 @@ import asyncio
 
 from dora.bus import Bus, ConsumerSpec
 from dora.events import AssignVersion, RolloutRequest, Trajectory
-from dora.rollout.generator import request_queue_spec
+from dora.rollout.generator_config import request_queue_spec
 from dora.rollout.partial import RESUME_PRIORITY
 from tests.fakes import fake_request
 from tests.integration.test_generator import collect, generator, running, until

@@ -39,12 +39,8 @@ from dora.events import (
 from dora.rollout.actions import AssignEngine
 from dora.rollout.dispatcher import DispatcherConfig
 from dora.rollout.fleet import FleetConfig, RolloutFleet
-from dora.rollout.generator import (
-    Generator,
-    GeneratorConfig,
-    RolloutMode,
-    request_queue_spec,
-)
+from dora.rollout.generator import Generator
+from dora.rollout.generator_config import GeneratorConfig, RolloutMode, request_queue_spec
 from dora.rollout.migrator import Migrator
 from dora.rollout.orchestrator import OrchestratorConfig
 from dora.rollout.orchestrator_service import OrchestratorService, OrchestratorServiceConfig

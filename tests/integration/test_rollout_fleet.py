@@ -29,7 +29,7 @@ from dora.learner.weights import WeightFetcher, WeightPublisher
 from dora.models import build_model
 from dora.rollout.dispatcher import DispatcherConfig
 from dora.rollout.fleet import FleetConfig, RolloutFleet
-from dora.rollout.generator import GeneratorConfig
+from dora.rollout.generator_config import GeneratorConfig
 from dora.rollout.orchestrator import OrchestratorConfig
 from dora.rollout.orchestrator_service import OrchestratorServiceConfig
 from dora.subjects import Subjects

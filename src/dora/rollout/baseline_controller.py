@@ -30,7 +30,7 @@ from dora.aio import cancel_all
 from dora.bus import Bus, Subscription
 from dora.events import AssignVersion, EngineStatus, WeightVersion
 from dora.rollout.control_client import ControlClient, ControlFailed
-from dora.rollout.generator import QUEUE_ACK_WAIT_S
+from dora.rollout.generator_config import QUEUE_ACK_WAIT_S
 from dora.rollout.orchestrator_service import QueueDepths
 from dora.rollout.status_board import StatusBoard
 from dora.versions import check_published

@@ -20,7 +20,8 @@ from dora.engines.base import Engine
 from dora.rollout.baseline_controller import BaselineController
 from dora.rollout.dispatch_service import DispatchService
 from dora.rollout.dispatcher import Dispatcher, DispatcherConfig, Tokenize
-from dora.rollout.generator import Generator, GeneratorConfig, RolloutMode, WeightSource
+from dora.rollout.generator import Generator
+from dora.rollout.generator_config import GeneratorConfig, RolloutMode, WeightSource
 from dora.rollout.orchestrator_service import OrchestratorService, OrchestratorServiceConfig
 
 log = structlog.get_logger(__name__)

@@ -41,35 +41,18 @@ from dora.events import (
     Trajectory,
 )
 from dora.rollout.generator_config import (
-    QUEUE_ACK_WAIT_S,
-    QUEUE_MAX_DELIVER,
     GeneratorConfig,
-    GeneratorStats,
-    RolloutMode,
     WeightSource,
     request_queue_spec,
     trajectory_event_id,
 )
-from dora.rollout.generator_core import GeneratorCore, Held
+from dora.rollout.generator_core import GeneratorCore
 from dora.stage.deadletter import dead_letter, parse_event
 from dora.stage.pull import Puller
 
 log = structlog.get_logger("dora.rollout.generator")
 
 _COMMANDS: TypeAdapter[Any] = TypeAdapter(ControlCommand)
-
-__all__ = [
-    "QUEUE_ACK_WAIT_S",
-    "QUEUE_MAX_DELIVER",
-    "Generator",
-    "GeneratorConfig",
-    "GeneratorStats",
-    "Held",
-    "RolloutMode",
-    "WeightSource",
-    "request_queue_spec",
-    "trajectory_event_id",
-]
 
 
 class Generator:
@@ -79,6 +62,7 @@ class Generator:
         self, engine: Engine, bus: Bus, weights: WeightSource, config: GeneratorConfig
     ) -> None:
         self.core = GeneratorCore(engine, config)
+        self.engine, self.stats, self.held = engine, self.core.stats, self.core.held
         self.bus = bus
         self.weights = weights
         self.config = config
@@ -91,15 +75,6 @@ class Generator:
         self._room = asyncio.Event()
         self._log = log.bind(engine=config.engine_id)
 
-    # the core's view, for the stage, reports and tests
-    @property
-    def engine(self) -> Engine:
-        return self.core.engine
-
-    @property
-    def stats(self) -> GeneratorStats:
-        return self.core.stats
-
     @property
     def state(self) -> str:
         return self.core.state
@@ -107,10 +82,6 @@ class Generator:
     @property
     def assigned(self) -> int | None:
         return self.core.assigned
-
-    @property
-    def held(self) -> dict[str, Held]:
-        return self.core.held
 
     def stop(self) -> None:
         self._stop.set()

@@ -33,7 +33,7 @@ from dora.rollout.actions import (
 )
 from dora.rollout.control_client import ControlClient, ControlFailed
 from dora.rollout.estimates import LengthRecorder
-from dora.rollout.generator import QUEUE_ACK_WAIT_S, request_queue_spec
+from dora.rollout.generator_config import QUEUE_ACK_WAIT_S, request_queue_spec
 from dora.rollout.migrator import Migrator
 from dora.rollout.orchestrator import DEFAULT_CONFIG, OrchestratorConfig, plan
 from dora.rollout.state import ClusterState, EngineView

@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from dora.events import SamplingParams
-from dora.rollout.generator import RolloutMode
+from dora.rollout.generator_config import RolloutMode
 from dora.stage import Context
 from dora.stages.model_source import ModelSource
 from dora.stages.service import ServiceStage

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from dora.rollout.generator import RolloutMode
+from dora.rollout.generator_config import RolloutMode
 from dora.stage import Context
 from dora.stages.model_source import ModelSource
 from dora.stages.service import ServiceStage
@@ -79,7 +79,8 @@ class GeneratorStage(ServiceStage):
 
         from dora.engines.torch import EngineConfig, TorchEngine
         from dora.learner.weights import WeightFetcher
-        from dora.rollout.generator import Generator, GeneratorConfig
+        from dora.rollout.generator import Generator
+        from dora.rollout.generator_config import GeneratorConfig
 
         cfg: GeneratorStageConfig = self.config
         if cfg.torch_threads:

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from dora.rollout.generator import RolloutMode
+from dora.rollout.generator_config import RolloutMode
 from dora.stage import Context
 from dora.stages.generator import check_fields
 from dora.stages.service import ServiceStage

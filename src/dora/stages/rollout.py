@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from dora.events import Event, SamplingParams
-from dora.rollout.generator import RolloutMode
+from dora.rollout.generator_config import RolloutMode
 from dora.stage import Context, Stage
 from dora.stages.generator import check_fields
 from dora.stages.model_source import ModelSource
@@ -81,7 +81,7 @@ class RolloutStage(Stage):
         from dora.models import load_tokenizer
         from dora.rollout.dispatcher import DispatcherConfig
         from dora.rollout.fleet import FleetConfig, RolloutFleet
-        from dora.rollout.generator import GeneratorConfig
+        from dora.rollout.generator_config import GeneratorConfig
         from dora.rollout.orchestrator import OrchestratorConfig
         from dora.rollout.orchestrator_service import OrchestratorServiceConfig
 

@@ -52,7 +52,7 @@ from dora.events import (
     WeightVersion,
 )
 from dora.rollout.baseline_controller import BaselineController
-from dora.rollout.generator import RolloutMode
+from dora.rollout.generator_config import RolloutMode
 from dora.rollout.orchestrator import OrchestratorConfig
 from dora.rollout.orchestrator_service import OrchestratorService, OrchestratorServiceConfig
 from dora.sim import SimConfig

@@ -28,7 +28,8 @@ from dora.engines.sim import workload_preset
 from dora.events import SamplingParams, ScoredTrajectory, Trajectory, WeightVersion
 from dora.rollout.dispatch_service import DispatchService
 from dora.rollout.dispatcher import Dispatcher, DispatcherConfig
-from dora.rollout.generator import Generator, GeneratorConfig
+from dora.rollout.generator import Generator
+from dora.rollout.generator_config import GeneratorConfig
 from dora.subjects import Subjects
 from dora.testing.emulated_engine import GroupSpecs, PacedSimEngine, TraceEvent
 
