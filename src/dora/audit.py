@@ -36,6 +36,7 @@ from dora.events import EngineStatus, Event, Ledger
 from dora.reference_check import ReferenceCheck
 from dora.stage.deadletter import dead_letter, parse_event
 from dora.stage.pull import Puller
+from dora.subjects import LEDGER_KEY
 
 log = structlog.get_logger(__name__)
 
@@ -60,7 +61,6 @@ STEM_MODEL: dict[str, type[Event]] = {
 }
 """The event type every line of ``events/<stem>.jsonl`` is."""
 """The family whose event type a recorded file holds, where the file is not named after it."""
-LEDGER_KEY = "ledger"
 ACK_WAIT_S = 5.0
 """A batch is written and acked in milliseconds; a crashed recorder's batch returns this soon."""
 

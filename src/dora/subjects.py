@@ -143,3 +143,32 @@ LIVE_FAMILIES = ("status", "control", "rpc")
 
 FAMILIES_WITH_CHILDREN = ("requests", "status", "control", "rpc", "replay")
 """Families whose subjects carry one more token (a version, an engine, an rpc name)."""
+
+
+# --------------------------------------------------------------------------- KV keys
+# Keys of the run's KV bucket (``Subjects.kv_bucket``); a stage declares the ones it writes
+# (``Stage.kv_writes``) and the embedded server's permissions follow.
+
+LEDGER_KEY = "ledger"
+"""The dispatcher's staleness ``Ledger``, read by the learner, orchestrator and recorder."""
+DISPATCHER_KEY = "dispatcher"
+"""The dispatcher's own state (``DispatcherSnapshot``), for a restarted dispatcher."""
+WEIGHTS_LATEST_KEY = "weights.latest"
+"""The newest ``WeightVersion`` (``weights.v<N>`` holds each one)."""
+WEIGHTS_PRUNED_KEY = "weights.pruned_below"
+"""Versions below this were deleted from the weight store."""
+
+
+def weights_version_key(version: int) -> str:
+    """The KV record of one published version, written before it is announced."""
+    return f"weights.v{int(version)}"
+
+
+def source_progress_key(stage: str) -> str:
+    """How many prompts a source stage has published (a resumed run continues there)."""
+    return f"source.{stage}"
+
+
+def sink_counted_key(stage: str) -> str:
+    """Set once a counting sink has counted in this run (a resume replays its journal)."""
+    return f"sink.{stage}.counted"

@@ -11,12 +11,8 @@ from __future__ import annotations
 
 from dora.bus.base import Bus
 from dora.events import WeightVersion
-
-LATEST_KEY = "weights.latest"
-
-
-def version_key(version: int) -> str:
-    return f"weights.v{int(version)}"
+from dora.subjects import WEIGHTS_LATEST_KEY as LATEST_KEY
+from dora.subjects import weights_version_key as version_key
 
 
 class UnknownVersion(ValueError):

@@ -28,9 +28,14 @@ STEPS, K, B, G = 16, 1, 4, 8
 CLI = [sys.executable, "-c", "from dora.cli import app; app()"]
 
 
-def pipeline_file(tmp: Path) -> Path:
+def tiny_model_dir(tmp: Path) -> Path:
+    """The small model every multi-process run test trains (built, never downloaded)."""
     model, tok = build_model("tiny", seed=1, num_hidden_layers=2)
-    model_dir = save_pretrained(model, tmp / "model", tok)
+    return save_pretrained(model, tmp / "model", tok)
+
+
+def pipeline_file(tmp: Path) -> Path:
+    model_dir = tiny_model_dir(tmp)
     text = f"""
 name: resume-test
 stages:
@@ -60,10 +65,14 @@ stages:
     return path
 
 
-def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     # its own session: a signal goes to this process only, as `kill PID` does
     return subprocess.Popen(
-        [*CLI, *args], stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
+        [*CLI, *args],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=env,
     )
 
 

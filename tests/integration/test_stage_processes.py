@@ -10,24 +10,26 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from dora.models import build_model, save_pretrained
-from tests.integration.test_run_resume import check_invariants
+from tests.integration.test_run_resume import (
+    STEPS,
+    B,
+    G,
+    K,
+    check_invariants,
+    start,
+    tiny_model_dir,
+)
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 
-CLI = [sys.executable, "-c", "from dora.cli import app; app()"]
-STEPS, K, B, G = 16, 1, 4, 8  # as test_run_resume's check_invariants expects
-
 
 def split_pipeline(tmp: Path, steps: int = STEPS) -> Path:
-    model, tok = build_model("tiny", seed=1, num_hidden_layers=2)
-    model_dir = save_pretrained(model, tmp / "model", tok)
+    model_dir = tiny_model_dir(tmp)
     text = f"""
 name: stages-test
 x-model: &model {{path: {model_dir}}}
@@ -53,12 +55,6 @@ stages:
     path = tmp / "pipeline.yaml"
     path.write_text(text)
     return path
-
-
-def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [*CLI, *args], stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
-    )
 
 
 def steps_done(run_dir: Path) -> int:
@@ -200,8 +196,7 @@ MIGRATING = {"steps": 8, "k": 2, "g": 4}
 def migrating_pipeline(tmp: Path) -> Path:
     """Three engines and an orchestrator told to consolidate whenever it can; the random
     model's answers end at a random length (up to 500 tokens), so versions overlap."""
-    model, tok = build_model("tiny", seed=1, num_hidden_layers=2)
-    model_dir = save_pretrained(model, tmp / "model", tok)
+    model_dir = tiny_model_dir(tmp)
     policy = (
         "{consolidate_below: 1.0, consolidate_without_demand: true, min_saving_s: 0.0, "
         "migration_s_per_request: 0.0, migration_s_per_block: 0.0, assign_cooldown_s: 0.0, "
@@ -254,14 +249,7 @@ def test_crashes_mid_migration_and_mid_step_are_survived(tmp_path: Path) -> None
     crashed.mkdir()
     env = {**os.environ, "DORA_CRASH_AT": points, "DORA_CRASH_ONCE": str(crashed)}
     args = ["run", str(migrating_pipeline(tmp_path)), "--run-dir", str(run_dir), "--processes"]
-    proc = subprocess.Popen(
-        [*CLI, *args],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env=env,
-    )
-    finish(proc, log)
+    finish(start(args, log, env), log)
     seen = {p.name for p in crashed.iterdir()}
     assert seen == {name.split(":")[0] for name in points.split(",")}, seen
     restarts = {name: info["restarts"] for name, info in processes(run_dir).items()}

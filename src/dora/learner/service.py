@@ -49,11 +49,10 @@ from dora.learner.weights import (
 from dora.models import CharTokenizer, LlamaModel
 from dora.stage.deadletter import dead_letter, parse_event
 from dora.stage.pull import Puller
+from dora.subjects import LEDGER_KEY
 
 log = structlog.get_logger(__name__)
 
-LEDGER_KEY = "ledger"
-"""The KV key under which the dispatcher keeps its staleness ``Ledger``."""
 MAX_DELIVER = 1_000
 """Held messages are redelivered after every learner crash; never let the server give up."""
 

@@ -30,11 +30,11 @@ from torch import Tensor
 from dora.bus.base import Bus
 from dora.events import BlobRef, WeightVersion
 from dora.models import LlamaModel, hf_state_dict
+from dora.subjects import WEIGHTS_PRUNED_KEY as PRUNED_KEY
 from dora.versions import LATEST_KEY, announce, version_key
 
 log = structlog.get_logger(__name__)
 
-PRUNED_KEY = "weights.pruned_below"
 """KV key: every version below it has had its blob deleted."""
 
 

@@ -25,7 +25,7 @@ from dora.bus.auth import NatsAuth, RunCredentials, StageGrant, stage_login
 from dora.bus.server import NatsServer
 from dora.stage import Stage, StageError, StageRunner
 from dora.stages.replay_writer import ReplaySettings
-from dora.subjects import Subjects
+from dora.subjects import LEDGER_KEY, Subjects
 
 log = structlog.get_logger(__name__)
 
@@ -327,7 +327,7 @@ class Pipeline:
             parts.append(f"{r.stage.name} {count}{'' if total is None else f'/{total}'}")
         lines = [f"no stage made progress for {timeout:.0f} s: " + ", ".join(parts)]
         with contextlib.suppress(Exception):
-            raw = await asyncio.wait_for(self.bus.kv_get("ledger"), timeout=5)
+            raw = await asyncio.wait_for(self.bus.kv_get(LEDGER_KEY), timeout=5)
             if raw:
                 lines.append(f"dispatcher ledger: {raw.decode()[:1500]}")
         left = await self.left_in_streams_now()

@@ -44,14 +44,13 @@ from dora.rollout.dispatcher_snapshot import SNAPSHOT_KEY, DispatcherSnapshot
 from dora.rollout.status_board import StatusBoard
 from dora.stage.deadletter import dead_letter, original_payload, parse_event
 from dora.stage.pull import Puller, observe
-from dora.subjects import Subjects
+from dora.subjects import LEDGER_KEY, Subjects
 from dora.versions import check_published
 
 log = structlog.get_logger(__name__)
 
 E = TypeVar("E", bound=Event)
 
-LEDGER_KEY = "ledger"
 PROMPT_ACK_WAIT_S = 5.0
 """The prompt being admitted is heartbeated every second while it waits; after a crash it
 (and so every prompt behind it: one is pending at a time) is redelivered this soon."""

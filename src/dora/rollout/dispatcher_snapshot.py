@@ -14,8 +14,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from dora.events import RolloutRequest
-
-SNAPSHOT_KEY = "dispatcher"
+from dora.subjects import DISPATCHER_KEY as SNAPSHOT_KEY
 
 
 class OpenGroup(BaseModel):

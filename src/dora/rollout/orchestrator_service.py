@@ -39,6 +39,7 @@ from dora.rollout.orchestrator import DEFAULT_CONFIG, OrchestratorConfig, plan
 from dora.rollout.state import ClusterState, EngineView
 from dora.rollout.status_board import StatusBoard
 from dora.stage.pull import observe
+from dora.subjects import LEDGER_KEY
 
 log = structlog.get_logger(__name__)
 
@@ -160,7 +161,7 @@ class OrchestratorService:
             await msg.ack()
 
     async def _read_ledger(self) -> Ledger | None:
-        raw = await self.bus.kv_get("ledger")
+        raw = await self.bus.kv_get(LEDGER_KEY)
         return None if raw is None else Ledger.model_validate_json(raw)
 
     # ------------------------------------------------------------------ state

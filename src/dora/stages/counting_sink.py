@@ -19,6 +19,7 @@ from dora.bus import Consumer, ConsumerSpec
 from dora.events import DeadLetter, ScoredTrajectory
 from dora.stage import Context, Stage
 from dora.stage.pull import Puller
+from dora.subjects import sink_counted_key
 
 
 class CountingSinkConfig(BaseModel):
@@ -69,7 +70,7 @@ class CountingSink(Stage):
             path.parent.mkdir(parents=True, exist_ok=True)
             # the bus's KV store says whether this run counted before (a resume), not the file:
             # a new run reusing a folder starts from zero
-            key = f"sink.{self.name}.counted"
+            key = sink_counted_key(self.name)
             if path.exists() and await ctx.bus.kv_get(key):
                 self._replay(path.read_text(encoding="utf-8"))
             else:

@@ -18,6 +18,7 @@ from dora.rollout.generator_config import RolloutMode
 from dora.stage import Context
 from dora.stages.model_source import ModelSource
 from dora.stages.service import ServiceStage
+from dora.subjects import DISPATCHER_KEY, LEDGER_KEY
 
 
 class DispatcherStageConfig(BaseModel):
@@ -52,7 +53,7 @@ class DispatcherStage(ServiceStage):
     name = "dispatcher"
     Config = DispatcherStageConfig
     publishes = ("requests",)
-    kv_writes = ("ledger", "dispatcher")
+    kv_writes = (LEDGER_KEY, DISPATCHER_KEY)
 
     async def setup(self, ctx: Context) -> None:
         from dora.models import load_tokenizer

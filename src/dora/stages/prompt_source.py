@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dora.events import Event, Prompt
 from dora.stage import Context, Stage, derived_id
+from dora.subjects import source_progress_key
 from dora.tasks import Task, make_task
 
 
@@ -45,7 +46,7 @@ class PromptSource(Stage):
         self.task: Task = make_task(self.config.task, **self.config.task_config)
 
     async def produce(self, ctx: Context) -> AsyncIterator[Event]:
-        key = f"source.{self.name}"
+        key = source_progress_key(self.name)
         raw = await ctx.bus.kv_get(key)
         done = int(raw) if raw else 0  # a resumed run continues where the source stopped
         start, count = self.config.start + done, self.config.count - done

@@ -23,6 +23,7 @@ from dora.rollout.generator_config import RolloutMode
 from dora.stage import Context, Stage
 from dora.stages.generator import check_fields
 from dora.stages.model_source import ModelSource
+from dora.subjects import DISPATCHER_KEY, LEDGER_KEY
 
 
 class RolloutConfig(BaseModel):
@@ -71,7 +72,7 @@ class RolloutStage(Stage):
     # dispatcher (requests), generators (trajectories, status, migrations), orchestrator and
     # migrator (control); the dispatcher keeps its ledger and state in the KV store
     publishes = ("requests", "trajectories", "status", "control", "rpc", "migrations")
-    kv_writes = ("ledger", "dispatcher")
+    kv_writes = (LEDGER_KEY, DISPATCHER_KEY)
 
     async def setup(self, ctx: Context) -> None:
         import torch

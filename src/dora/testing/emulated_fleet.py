@@ -56,7 +56,7 @@ from dora.rollout.generator_config import RolloutMode
 from dora.rollout.orchestrator import OrchestratorConfig
 from dora.rollout.orchestrator_service import OrchestratorService, OrchestratorServiceConfig
 from dora.sim import SimConfig
-from dora.subjects import Subjects
+from dora.subjects import LEDGER_KEY, Subjects
 from dora.testing.emulated_trace import Breakdown, breakdown
 from dora.testing.emulated_workers import (
     EngineReport,
@@ -401,7 +401,7 @@ async def _within(coro: Any, timeout_s: float, grace_s: float = 5.0) -> bool:
 
 async def _ledger_line(bus: Bus) -> str:
     """The dispatcher's ledger in one line (what a stalled learner was waiting for)."""
-    raw = await bus.kv_get("ledger")
+    raw = await bus.kv_get(LEDGER_KEY)
     if not raw:
         return "no ledger"
     ledger = Ledger.model_validate_json(raw)

@@ -19,6 +19,7 @@ import structlog
 from dora.bus import Bus, ConsumerSpec
 from dora.events import Ledger, Metrics, ScoredTrajectory
 from dora.learner.batching import AddOutcome, BatchSelector, GroupBuffer
+from dora.subjects import LEDGER_KEY
 
 log = structlog.get_logger(__name__)
 
@@ -75,7 +76,7 @@ class LearnerStandin:
                     if outcome is AddOutcome.DUPLICATE:
                         self.duplicates += 1
                     await msg.ack()
-                raw = await self.bus.kv_get("ledger")
+                raw = await self.bus.kv_get(LEDGER_KEY)
                 ledger = Ledger.model_validate_json(raw) if raw else None
                 batch = selector.select(self.step, ledger)
                 if batch is None:
