@@ -15,6 +15,11 @@ $(STAMP): pyproject.toml
 	# torch first, pinned, so pip never picks a multi-GB CUDA build for the range below
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e ".[dev]"
+	# bubblewrap isolates model-written code (dora.envs.sandbox); without it the sandbox refuses
+	command -v bwrap >/dev/null || ([ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& (apt-get install -y -q bubblewrap || (apt-get update -q \
+		&& apt-get install -y -q bubblewrap)) >/dev/null) \
+		|| echo "note: bubblewrap not installed; the code sandbox will refuse to run code"
 	touch $(STAMP)
 
 demo: $(STAMP)

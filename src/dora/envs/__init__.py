@@ -1,0 +1,73 @@
+"""Agentic environments: multi-turn episodes with tools, one environment per episode.
+
+Stable API::
+
+    @tool                                   # schema from the signature and docstring
+    def lookup(order_id: str) -> dict: ...
+    env = ToolEnvironment(ToolSet([lookup, CALCULATOR]), score=my_score, max_turns=6)
+    messages = await env.reset(prompt, seed)        # OpenAI-format ChatMessages
+    result = await env.step(AssistantTurn(text))    # StepResult(messages, done, reward, ...)
+    await env.close()
+
+    GymTextEnvironment(make)                # a SkyRL-gym / rLLM style sync environment
+    make_environment("calculator", max_turns=4)
+    await Sandbox().run_python(code)        # model-written code under bubblewrap
+"""
+
+from dora.envs.base import AssistantTurn, ChatMessage, Environment, StepResult
+from dora.envs.calculator import CALCULATOR, calculator
+from dora.envs.gym import GymTextEnvironment
+from dora.envs.registry import (
+    EnvironmentConfig,
+    environment_names,
+    make_environment,
+    register_environment,
+)
+from dora.envs.tool_env import ToolEnvironment
+from dora.envs.tools import (
+    ParsedTurn,
+    Tool,
+    ToolCall,
+    ToolResult,
+    ToolSet,
+    parameters_schema,
+    parse_tool_calls,
+    tool,
+)
+
+
+def _calculator_env(config: EnvironmentConfig) -> Environment:
+    from dora.rewards import make_verifier
+
+    verifier = make_verifier("exact_match")
+    return ToolEnvironment(
+        ToolSet([CALCULATOR]),
+        score=lambda prompt, answer: verifier.verify(answer, prompt).reward,
+        max_turns=config.max_turns,
+    )
+
+
+register_environment("calculator", EnvironmentConfig, _calculator_env)
+
+__all__ = [
+    "CALCULATOR",
+    "AssistantTurn",
+    "ChatMessage",
+    "Environment",
+    "EnvironmentConfig",
+    "GymTextEnvironment",
+    "ParsedTurn",
+    "StepResult",
+    "Tool",
+    "ToolCall",
+    "ToolEnvironment",
+    "ToolResult",
+    "ToolSet",
+    "calculator",
+    "environment_names",
+    "make_environment",
+    "parameters_schema",
+    "parse_tool_calls",
+    "register_environment",
+    "tool",
+]
