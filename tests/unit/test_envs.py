@@ -4,6 +4,7 @@ tool environment's episode, and the gym-style adapter."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any, Literal
 
@@ -206,3 +207,43 @@ async def test_a_gym_style_environment_is_adapted() -> None:
     await env.reset(prompt(answer="5"), seed=0)
     failed = await env.step(AssistantTurn("boom"))  # the environment raised: never re-raised
     assert failed.done and "ValueError: cannot parse" in failed.error
+
+
+async def play(env: Any, p: Prompt, turns: list[str]) -> list[Any]:
+    await env.reset(p, seed=0)
+    results = []
+    for text in turns:
+        results.append(await env.step(AssistantTurn(text)))
+        if results[-1].done:
+            break
+    await env.close()
+    return results
+
+
+async def test_retail_rewards_exactly_the_goal_read_from_the_final_database() -> None:
+    from dora.tasks import make_task
+
+    task = make_task("retail")
+    prompts = list(task.prompts("train", 30))
+    assert {json.loads(p.answer)["kind"] for p in prompts} == {"cancel", "address", "return"}
+    for p in prompts:  # the reference transcript solves every problem
+        turns = task.solve(p).split("\n")
+        results = await play(make_environment("retail"), p, turns)
+        assert results[-1].done and results[-1].reward == 1.0, (p.text, results)
+        assert all(r.metrics.get("tool_failures", 0) == 0 for r in results[:-1])
+
+    p = next(p for p in prompts if json.loads(p.answer)["kind"] == "cancel")
+    goal = json.loads(p.answer)
+    calls = task.solve(p).split("\n")
+    wrong = calls[-2].replace(goal["order_id"], "W0000")  # an order that does not exist
+    results = await play(make_environment("retail"), p, [*calls[:-2], wrong, "Done."])
+    assert "no order 'W0000'" in results[-2].messages[0].content and results[-1].reward == 0.0
+    extra = await play(make_environment("retail"), p, [*calls[:-1], calls[-2], "Done."])
+    assert extra[-2].messages[0].content.startswith("error:")  # cancelled twice: refused
+    assert extra[-1].reward == 1.0  # the refused call changed nothing
+    nothing = await play(make_environment("retail"), p, ["Done."])
+    assert nothing[-1].reward == 0.0
+
+    train = {p.metadata["db_seed"] for p in task.prompts("train", 200)}
+    evals = {p.metadata["db_seed"] for p in task.prompts("eval", 50)}
+    assert not train & evals  # split by problem identity

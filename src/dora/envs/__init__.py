@@ -23,6 +23,7 @@ from dora.envs.registry import (
     make_environment,
     register_environment,
 )
+from dora.envs.retail import RetailEnvConfig, RetailEnvironment, make_retail_environment
 from dora.envs.tool_env import ToolEnvironment
 from dora.envs.tools import (
     ParsedTurn,
@@ -48,6 +49,7 @@ def _calculator_env(config: EnvironmentConfig) -> Environment:
 
 
 register_environment("calculator", EnvironmentConfig, _calculator_env)
+register_environment("retail", RetailEnvConfig, make_retail_environment)
 
 __all__ = [
     "CALCULATOR",
@@ -57,6 +59,7 @@ __all__ = [
     "EnvironmentConfig",
     "GymTextEnvironment",
     "ParsedTurn",
+    "RetailEnvironment",
     "StepResult",
     "Tool",
     "ToolCall",

@@ -26,6 +26,7 @@ from dora.tasks.base import (
 from dora.tasks.chain import ChainConfig, ChainTask
 from dora.tasks.countdown import CountdownConfig, CountdownTask
 from dora.tasks.dataset import DatasetConfig, DatasetTask, read_rows, sample_path
+from dora.tasks.retail import RetailConfig, RetailTask
 from dora.tasks.tally import TallyConfig, TallyTask
 
 register_task("arithmetic", ArithmeticConfig, ArithmeticTask)
@@ -34,6 +35,8 @@ register_task("countdown", CountdownConfig, CountdownTask)
 register_task("tally", TallyConfig, TallyTask)
 register_task("jsonl", DatasetConfig, DatasetTask)
 register_task("dataset", DatasetConfig, DatasetTask)
+
+register_task("retail", RetailConfig, RetailTask)
 
 __all__ = [
     "SPLITS",
@@ -46,6 +49,8 @@ __all__ = [
     "CountdownTask",
     "DatasetConfig",
     "DatasetTask",
+    "RetailConfig",
+    "RetailTask",
     "Split",
     "TallyConfig",
     "TallyTask",
