@@ -69,6 +69,12 @@ class SamplingParams(Model):
     max_tokens: int = Field(default=256, description="Upper bound on generated tokens.")
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    turn_stop_strings: tuple[str, ...] = Field(
+        default=(),
+        description="Multi-turn episodes: an assistant turn ends when its text contains one of "
+        "these (e.g. '</tool_call>'); the request then parks with its KV until the "
+        "environment's reply is appended, instead of finishing.",
+    )
 
 
 class ResumeState(Model):

@@ -41,6 +41,17 @@ class PartialOutput:
     engines: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class TurnEnd:
+    """A multi-turn request parked at the end of an assistant turn (its KV kept), waiting for
+    the environment's reply (``append``)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    """The turn's sampled tokens."""
+    text: str
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A replica that generates completions for the one policy version it has loaded."""

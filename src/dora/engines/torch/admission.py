@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from dora.engines.torch.engine import TorchEngine
 
 
-def _check_ids(field: str, ids: tuple[int, ...] | list[int], vocab: int) -> None:
+def check_ids(field: str, ids: tuple[int, ...] | list[int], vocab: int) -> None:
     for i, t in enumerate(ids):
         if not 0 <= t < vocab:
             raise EngineError(f"{field}[{i}] = {t} is not a token id of the model [0, {vocab})")
@@ -44,13 +44,13 @@ def build_sequence(engine: TorchEngine, request: RolloutRequest) -> Sequence:
     if not prompt:
         raise EngineError(f"request {rid}: the prompt is empty")
     vocab = engine.model.config.vocab_size
-    _check_ids("prompt_token_ids", prompt, vocab)
-    _check_ids("sampling.stop_token_ids", sp.stop_token_ids, vocab)
+    check_ids("prompt_token_ids", prompt, vocab)
+    check_ids("sampling.stop_token_ids", sp.stop_token_ids, vocab)
     resume = request.resume
     resumed: list[int] = list(resume.token_ids) if resume else []
     versions: list[int] = []
     if resume is not None:
-        _check_ids("resume.token_ids", resumed, vocab)
+        check_ids("resume.token_ids", resumed, vocab)
         if len(resume.logprobs) != len(resumed):
             raise EngineError(
                 f"request {rid}: resume.logprobs has {len(resume.logprobs)} entries for "

@@ -18,14 +18,14 @@ from typing import Any
 import structlog
 import torch
 
-from dora.engines.base import EngineError, PartialOutput, VersionMismatch
+from dora.engines.base import EngineError, PartialOutput, TurnEnd, VersionMismatch
 from dora.engines.torch.block_manager import BlockManager
 from dora.engines.torch.config import EngineConfig
 from dora.engines.torch.model_runner import ModelRunner, ScheduledSeq
 from dora.engines.torch.sampler import sample
 from dora.engines.torch.scheduler import Scheduler
 from dora.engines.torch.sequence import SeqStatus, Sequence
-from dora.engines.torch.stopping import finish_reason
+from dora.engines.torch.stopping import finish_reason, turn_ended
 from dora.events import EngineStatus, RolloutRequest, RunningRequest, Timings, Trajectory
 from dora.models import (
     CharTokenizer,
@@ -101,6 +101,7 @@ class TorchEngine:
         self._version = version
         self._seqs: dict[str, Sequence] = {}
         self._exported: dict[str, Sequence] = {}
+        self._turn_ends: list[TurnEnd] = []
         self._rate: deque[tuple[float, int]] = deque()
 
     # ------------------------------------------------------------------ constructors
@@ -249,9 +250,56 @@ class TorchEngine:
             reason = finish_reason(seq, self.eos_token_id, self.max_model_len, self.tokenizer)
             if reason is not None:
                 finished.append(self._finish(seq, reason, now))
+            elif turn_ended(seq, self.tokenizer):
+                self._park(seq)
         self.counters.generated_tokens += len(order)
         self._rate.append((now, len(order)))
         return finished
+
+    # ------------------------------------------------------------------ multi-turn episodes
+
+    def _park(self, seq: Sequence) -> None:
+        """End of an assistant turn: keep the KV, stop scheduling, wait for ``append``."""
+        self.scheduler.remove(seq)
+        seq.status = SeqStatus.PARKED
+        turn = tuple(seq.completion[seq.turn_start :])
+        text = self.tokenizer.decode(turn) if self.tokenizer is not None else ""
+        self._turn_ends.append(TurnEnd(seq.request_id, turn, text))
+
+    def take_turn_ends(self) -> list[TurnEnd]:
+        """The requests parked since the last call (at most once each per turn)."""
+        ends, self._turn_ends = self._turn_ends, []
+        return ends
+
+    def end_episode(self, request_id: str) -> Trajectory:
+        """The environment ended the episode after this parked turn: its trajectory."""
+        seq = self._get(request_id)
+        if seq.status is not SeqStatus.PARKED:
+            raise EngineError(f"request {request_id!r} is not parked at a turn boundary")
+        return self._finish(seq, "stop", time.time())
+
+    def append(self, request_id: str, token_ids: list[int], role: str = "tool") -> None:
+        """Append the environment's reply to a parked request and go on decoding it: only the
+        reply (and the turn's last sampled token) is prefilled; earlier turns keep their KV.
+        The reply's tokens are masked out of the loss."""
+        from dora.engines.torch.admission import check_ids
+
+        seq = self._get(request_id)
+        if seq.status is not SeqStatus.PARKED:
+            raise EngineError(f"request {request_id!r} is not parked at a turn boundary")
+        check_ids("token_ids", token_ids, self.model.config.vocab_size)
+        if len(seq.token_ids) + len(token_ids) >= self.max_model_len:
+            raise EngineError(
+                f"request {request_id!r}: the reply ({len(token_ids)} tokens) does not fit in "
+                f"the context ({len(seq.token_ids)} of {self.max_model_len} used)"
+            )
+        start = seq.num_completion
+        seq.token_ids.extend(token_ids)
+        seq.logprobs.extend([0.0] * len(token_ids))
+        seq.token_versions.extend([seq.version] * len(token_ids))
+        seq.appended.append((start, seq.num_completion, role))
+        seq.turn_start = seq.num_completion
+        self.scheduler.add_running(seq)
 
     def _account(self, s: ScheduledSeq, t0: float, dt: float) -> None:
         seq, n = s.seq, s.num_tokens
@@ -284,7 +332,8 @@ class TorchEngine:
             prompt_token_ids=tuple(seq.token_ids[: seq.num_prompt]),
             completion_token_ids=completion,
             logprobs=tuple(float(x) for x in seq.logprobs),
-            loss_mask=(1,) * len(completion),
+            loss_mask=seq.loss_mask(),
+            turns=seq.turns(),
             token_versions=tuple(seq.token_versions) if seq.track_versions else (),
             text=text,
             finish_reason=reason,  # type: ignore[arg-type]
@@ -310,6 +359,8 @@ class TorchEngine:
         seq = self._get(request_id)
         if seq.status is SeqStatus.EXPORTED:
             raise EngineError(f"request {request_id} is already exported")
+        if seq.status is SeqStatus.PARKED or seq.appended:
+            raise EngineError(f"request {request_id} is a multi-turn episode: not movable yet")
         data = export_sequence(self, seq)
         self.scheduler.remove(seq)
         seq.status = SeqStatus.EXPORTED

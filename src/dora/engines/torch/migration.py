@@ -19,7 +19,7 @@ from dora.engines.snapshot import (
     payload_tensor,
     tensor_bytes,
 )
-from dora.engines.torch.admission import _check_ids
+from dora.engines.torch.admission import check_ids
 from dora.engines.torch.sequence import Sequence
 from dora.events import KVSnapshot, Migration
 
@@ -95,8 +95,8 @@ def import_sequence(engine: TorchEngine, data: bytes) -> Sequence:
     prompt = list(req.prompt_token_ids)
     completion = list(h.completion_token_ids)
     vocab = engine.model.config.vocab_size
-    _check_ids("prompt_token_ids", prompt, vocab)
-    _check_ids("completion_token_ids", completion, vocab)
+    check_ids("prompt_token_ids", prompt, vocab)
+    check_ids("completion_token_ids", completion, vocab)
     total = len(prompt) + len(completion)
     if not prompt or len(h.logprobs) != len(completion):
         raise SnapshotError(f"snapshot of {rid}: empty prompt or logprobs/tokens length differ")

@@ -13,7 +13,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from dora.events import Migration, RolloutRequest
+from dora.events import Migration, RolloutRequest, Turn
 
 _arrival = itertools.count()
 
@@ -22,6 +22,8 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     EXPORTED = "exported"
+    PARKED = "parked"
+    """At a turn boundary: KV resident, not scheduled, waiting for the environment's reply."""
     FINISHED = "finished"
 
 
@@ -45,6 +47,11 @@ class Sequence:
     # them again is re-prefill, counted honestly in ``reprefilled``
     recompute_hw: int = 0
     reprefilled: int = 0
+    appended: list[tuple[int, int, str]] = field(default_factory=list)
+    """(start, end, role) of completion spans the environment appended: not sampled, so
+    masked out of the loss (multi-turn episodes)."""
+    turn_start: int = 0
+    """Completion index where the current assistant turn began."""
     engines: list[str] = field(default_factory=list)
     migrations: list[Migration] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrival))
@@ -75,6 +82,27 @@ class Sequence:
     def is_decode(self) -> bool:
         """Only the last sampled token is pending: a decode step, not a prefill."""
         return self.num_pending == 1 and self.num_completion > 0
+
+    def loss_mask(self) -> tuple[int, ...]:
+        """1 on every completion token the engine sampled, 0 on appended ones."""
+        mask = [1] * self.num_completion
+        for start, end, _ in self.appended:
+            mask[start:end] = [0] * (end - start)
+        return tuple(mask)
+
+    def turns(self) -> tuple[Turn, ...]:
+        """The completion as assistant and environment spans (empty for a single turn)."""
+        if not self.appended:
+            return ()
+        spans, at = [], 0
+        for start, end, role in self.appended:
+            if start > at:
+                spans.append(Turn(role="assistant", start=at, end=start))
+            spans.append(Turn(role=role, start=start, end=end))  # type: ignore[arg-type]
+            at = end
+        if self.num_completion > at:
+            spans.append(Turn(role="assistant", start=at, end=self.num_completion))
+        return tuple(spans)
 
     def sort_key(self) -> tuple[int, int]:
         """Scheduling order: higher priority first, then first come first served."""

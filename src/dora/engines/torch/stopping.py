@@ -29,3 +29,14 @@ def finish_reason(
     if seq.num_completion >= sp.max_tokens or len(seq.token_ids) >= max_model_len:
         return "length"
     return None
+
+
+def turn_ended(seq: Sequence, tokenizer: CharTokenizer | None) -> bool:
+    """The current assistant turn's text now contains one of ``turn_stop_strings``."""
+    stops = seq.request.sampling.turn_stop_strings
+    if not stops or tokenizer is None:
+        return False
+    longest = max(len(s) for s in stops)
+    start = max(seq.turn_start, seq.num_completion - longest - 8)
+    tail = tokenizer.decode(seq.completion[start:])
+    return any(s in tail for s in stops)
