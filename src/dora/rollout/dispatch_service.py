@@ -24,15 +24,12 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import structlog
 
 from dora.aio import cancel_all
 from dora.bus import Bus, ConsumerSpec, Message
 from dora.events import (
-    DeadLetter,
-    Event,
     Metrics,
     Prompt,
     RolloutRequest,
@@ -41,15 +38,14 @@ from dora.events import (
 )
 from dora.rollout.dispatcher import Dispatcher, PromptRefused, Tokenize
 from dora.rollout.dispatcher_snapshot import SNAPSHOT_KEY, DispatcherSnapshot
+from dora.rollout.observation import InvalidEvent, parsed, refused_request_id
 from dora.rollout.status_board import StatusBoard
-from dora.stage.deadletter import dead_letter, original_payload, parse_event
+from dora.stage.deadletter import dead_letter, parse_event
 from dora.stage.pull import Puller, observe
-from dora.subjects import LEDGER_KEY, Subjects
+from dora.subjects import LEDGER_KEY
 from dora.versions import check_published
 
 log = structlog.get_logger(__name__)
-
-E = TypeVar("E", bound=Event)
 
 PROMPT_ACK_WAIT_S = 5.0
 """The prompt being admitted is heartbeated every second while it waits; after a crash it
@@ -114,15 +110,15 @@ class DispatchService:
         prompts = await self.bus.consumer(
             ConsumerSpec("dispatcher", s.prompts, max_ack_pending=1, ack_wait_s=PROMPT_ACK_WAIT_S)
         )
-        observers = {
-            "scored": Observer(self, ScoredTrajectory, self._on_scored),
-            "metrics": Observer(self, Metrics, self._on_metrics),
-            "weights": Observer(self, WeightVersion, self._on_weights),
-            "deadletter": self._on_dead_letters,
+        apply = {
+            "scored": parsed(ScoredTrajectory, self._on_scored),
+            "metrics": parsed(Metrics, self._on_metrics),
+            "weights": parsed(WeightVersion, self._on_weights),
+            "deadletter": self._on_dead_letter,
         }
         tasks = [
-            asyncio.create_task(observe(consumers[name], handle, "dispatcher"))
-            for name, handle in observers.items()
+            asyncio.create_task(observe(consumers[name], self.observer(fn), "dispatcher"))
+            for name, fn in apply.items()
         ]
         await self._write_ledger()
         try:
@@ -215,38 +211,38 @@ class DispatchService:
 
     # ------------------------------------------------------------------ observations
 
-    async def observed(
-        self, msgs: list[Message], apply: Callable[[Message], Awaitable[None]]
-    ) -> None:
-        """Apply a batch of observations under the lock, then write the state once and settle
-        each message: acked, or dead-lettered with the reason ``apply`` raised."""
-        rejected: list[tuple[Message, str]] = []
-        async with self._lock:
-            for msg in msgs:
-                try:
-                    await apply(msg)
-                except InvalidEvent as exc:
-                    rejected.append((msg, str(exc)))
-                except (ValueError, KeyError) as exc:
-                    rejected.append((msg, f"{type(exc).__name__}: {exc}"))
-        await self._write_ledger()
-        for msg, reason in rejected:  # kept with the reason, never silently dropped
-            await self._dead_letter(msg, reason)
-        for msg in msgs:
-            if all(msg is not r for r, _ in rejected):
-                await msg.ack()
-        self._changed.set()
+    def observer(
+        self, apply: Callable[[Message], Awaitable[None]]
+    ) -> Callable[[list[Message]], Awaitable[None]]:
+        """Apply each batch of observations under the lock, then write the state once and
+        settle each message: acked, or dead-lettered with the reason ``apply`` raised."""
 
-    async def _on_dead_letters(self, msgs: list[Message]) -> None:
-        """Abandon the group of every request a generator dead-lettered. Any other dead
-        letter is none of the dispatcher's business (and is never dead-lettered again)."""
+        async def observed(msgs: list[Message]) -> None:
+            rejected: dict[int, str] = {}
+            async with self._lock:
+                for msg in msgs:
+                    try:
+                        await apply(msg)
+                    except InvalidEvent as exc:
+                        rejected[id(msg)] = str(exc)
+                    except (ValueError, KeyError) as exc:
+                        rejected[id(msg)] = f"{type(exc).__name__}: {exc}"
+            await self._write_ledger()
+            for msg in msgs:  # kept with the reason, never silently dropped
+                if id(msg) in rejected:
+                    await self._dead_letter(msg, rejected[id(msg)])
+                else:
+                    await msg.ack()
+            self._changed.set()
 
-        async def apply(msg: Message) -> None:
-            request_id = refused_request_id(msg.data, self.bus.subjects)
-            if request_id and self.dispatcher.on_abandoned(request_id):
-                self.stats.abandoned += 1
+        return observed
 
-        await self.observed(msgs, apply)
+    async def _on_dead_letter(self, msg: Message) -> None:
+        """Abandon the group of a request a generator dead-lettered. Any other dead letter
+        is none of the dispatcher's business (and is never dead-lettered again)."""
+        request_id = refused_request_id(msg.data, self.bus.subjects)
+        if request_id and self.dispatcher.on_abandoned(request_id):
+            self.stats.abandoned += 1
 
     async def _on_scored(self, scored: ScoredTrajectory) -> None:
         request = scored.trajectory.request
@@ -267,48 +263,6 @@ class DispatchService:
                 self.bus, event.version, "WeightVersion.version", checksum=event.checksum
             )
         self.dispatcher.observe_weights(event.version)
-
-
-class InvalidEvent(ValueError):
-    """A message that is not a valid event of its subject's type (the reason says why)."""
-
-
-class Observer:
-    """Reads one observation subject into the dispatcher: each message parsed as ``model``
-    and applied by ``handle``; one that does not validate, or names what the dispatcher does
-    not know (``ValueError``/``KeyError``), is dead-lettered with the reason."""
-
-    def __init__(
-        self,
-        service: DispatchService,
-        model: type[E],
-        handle: Callable[[E], Awaitable[None]],
-    ) -> None:
-        self.service, self.model, self.handle = service, model, handle
-
-    async def __call__(self, msgs: list[Message]) -> None:
-        await self.service.observed(msgs, self._apply)
-
-    async def _apply(self, msg: Message) -> None:
-        event, reason = parse_event(self.model, msg.data)
-        if event is None:
-            raise InvalidEvent(reason)
-        await self.handle(event)
-
-
-def refused_request_id(data: bytes, subjects: Subjects) -> str | None:
-    """The request id in a generator's dead letter of a request (None for any other)."""
-    letter, _ = parse_event(DeadLetter, data)
-    if letter is None or not letter.stage.startswith("generator:"):
-        return None
-    try:
-        if subjects.family_of(letter.subject) != "requests":
-            return None
-        raw = original_payload(letter)
-    except ValueError:
-        return None
-    request, _ = parse_event(RolloutRequest, raw)
-    return None if request is None else request.request_id
 
 
 __all__ = [
