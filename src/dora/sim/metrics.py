@@ -72,15 +72,37 @@ class SimResult:
         return d
 
 
+def step_bounds(cfg: SimConfig, fleet: Fleet, record: StepRecord) -> tuple[float, float]:
+    """(decode work / fleet capacity, longest trajectory at single-request speed) of a step."""
+    cap = cfg.engines * cfg.cost.peak_throughput(fleet.stats.mean_context)
+    alone = cfg.cost.single_request_time(record.longest_prompt, record.longest_tokens)
+    return record.completion_tokens / cap, alone
+
+
 def ideal_rollout_time(cfg: SimConfig, fleet: Fleet, records: list[StepRecord]) -> float:
     """Mean over steps of max(decode work / fleet capacity, longest trajectory alone)."""
-    cap = cfg.engines * cfg.cost.peak_throughput(fleet.stats.mean_context)
-    bounds = []
-    for r in records:
-        work = r.completion_tokens / cap
-        alone = cfg.cost.single_request_time(r.longest_prompt, r.longest_tokens)
-        bounds.append(max(work, alone))
+    bounds = [max(step_bounds(cfg, fleet, r)) for r in records]
     return float(np.mean(bounds)) if bounds else 0.0
+
+
+def ideal_step_time(
+    cfg: SimConfig, fleet: Fleet, records: list[StepRecord], train: list[float]
+) -> float:
+    """The fastest step each mode could take, mean over steps.
+
+    ``sync`` generates a batch, then trains on it: max(W/C, D) + T. A streaming mode overlaps
+    the two, and a trajectory may span K+1 steps (its version is trained up to K steps after
+    it was dispatched): max(W/C, T, (D + T)/(K + 1)). W/C: decode work over the fleet's
+    capacity; D: the longest trajectory at single-request speed; T: the training step.
+    """
+    if not records:
+        return 0.0
+    k = max(cfg.staleness, 1) if cfg.mode != "sync" else 0
+    bounds = []
+    for record, t in zip(records, train, strict=True):
+        work, alone = step_bounds(cfg, fleet, record)
+        bounds.append(max(work, alone) + t if k == 0 else max(work, t, (alone + t) / (k + 1)))
+    return float(np.mean(bounds))
 
 
 def summarize(
@@ -118,7 +140,7 @@ def summarize(
         staleness_mean=float(np.mean(stale)) if stale else 0.0,
         staleness_max=max(stale) if stale else 0,
         staleness_hist=dict(sorted(hist.items())),
-        ideal_step_s=max(ideal_roll, mean_train),
+        ideal_step_s=ideal_step_time(cfg, fleet, records, train),
         ideal_rollout_s=ideal_roll,
         train_s=mean_train,
         dispatched=len(reqs),
