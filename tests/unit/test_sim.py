@@ -60,9 +60,22 @@ def test_sync_waits_for_its_longest_trajectory() -> None:
 
 def test_partial_reprefills_and_dora_does_not() -> None:
     partial = simulate(replace(SMALL, mode="partial"))
+    partial_sync = simulate(replace(SMALL, mode="partial_sync"))
     dora = simulate(replace(SMALL, mode="dora"))
-    assert partial.reprefilled_tokens > 0
+    assert partial.reprefilled_tokens > 0 and partial_sync.reprefilled_tokens > 0
     assert dora.reprefilled_tokens == 0
+
+
+def test_iteration_synchronous_partial_stops_rollout_while_training_and_carries() -> None:
+    _, d, records = _run("partial_sync")
+    reqs = d.fleet.requests.values()
+    for rec in records:
+        during = [r for r in reqs if r.done and rec.train_start < r.finished_at < rec.train_end]
+        assert not during, "a request finished while the learner trained"
+        groups = [g for g in d.fleet.groups if g.consumed_step == rec.step]
+        assert len(groups) == SMALL.batch_groups  # exactly B finished groups per step
+    carried = [r for r in reqs if len({v for v, _ in r.version_tokens}) > 1]
+    assert carried  # some trajectories spanned an update (resumed under new weights)
 
 
 def test_same_seed_same_table() -> None:

@@ -7,6 +7,10 @@
   staleness bound K as dora; when a version is published every engine interrupts its
   requests, loads the weights and resumes them first (front of its queue), re-prefilling
   prompt + generated tokens in large batched prefills.
+- ``partial_sync`` (iteration-synchronous partial, slime-style): B groups stay in flight;
+  once B have finished, rollout stops, the unfinished ones are interrupted and carried, the
+  learner trains on the B, every engine loads the new weights and the carried requests
+  resume first (re-prefilled) beside new groups. What the paper's 1.17x over partial fits.
 """
 
 from __future__ import annotations
@@ -175,6 +179,65 @@ class OneStepOffDriver(Driver):
 
     def after_train(self, step: int) -> None:
         self.advance()
+
+
+class PartialSyncDriver(Driver):
+    """Roll out until B groups finish, carry the rest, train, update (see module docstring)."""
+
+    strict_versions = False
+    QUEUE = 0
+
+    def start(self) -> None:
+        self.open = 0  # dispatched groups not yet finished
+        self.finished: list[Group] = []
+        self.carried: list[tuple[int, set[str], list]] = []
+        for e, core in enumerate(self.fleet.cores):
+            core.version = 0
+            self.fleet.hungry[self.QUEUE].add(e)
+        self.top_up()
+
+    def on_engine_event(self, e: int) -> None:
+        if not self.trainer_busy:  # rollout is stopped while the learner trains
+            self.fleet.fill(e, self.QUEUE)
+
+    def top_up(self) -> None:
+        """Keep B unfinished groups in flight (new ones tagged with the current version)."""
+        n = self.cfg.batch_groups - self.open
+        for _ in range(n):
+            self.fleet.dispatch_group(self.step, queue=self.QUEUE)
+        self.open += max(n, 0)
+        if n > 0:
+            self.fleet.feed(self.QUEUE)
+
+    def on_group_done(self, group: Group) -> None:
+        self.open -= 1
+        self.finished.append(group)
+        if len(self.finished) < self.cfg.batch_groups:
+            self.top_up()
+            return
+        batch, self.finished = self.finished, []
+        self.carried = []
+        for e, core in enumerate(self.fleet.cores):  # stop: carry what is unfinished
+            self.fleet.touch(e)
+            self.carried.append((core.version or 0, set(core.running), core.interrupt_all()))
+        self.train(batch)
+
+    def after_train(self, step: int) -> None:
+        fleet, version = self.fleet, step + 1
+        for e, core in enumerate(fleet.cores):
+            old, had_kv, held = self.carried[e]
+            core.load_weights(version, fleet.now)
+            for req in held:
+                done_here = req.generated - sum(n for _, n in req.version_tokens)
+                if done_here:
+                    req.version_tokens.append((old, done_here))
+                if req.rid in had_kv:
+                    req.reprefilled += req.context  # prompt + generated, prefilled again
+                core.add(req)
+            fleet.fill(e, self.QUEUE)
+            fleet.schedule(e)
+        self.carried = []
+        self.top_up()
 
 
 class StalenessWindow:

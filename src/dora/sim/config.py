@@ -8,8 +8,15 @@ from typing import Literal
 from dora.engines.sim.cost import DENSE_32B, CostModel
 from dora.engines.sim.workload import DAPO_16K, Workload
 
-Mode = Literal["sync", "one_step_off", "partial", "dora", "dora_noreuse"]
-MODES: tuple[Mode, ...] = ("sync", "one_step_off", "partial", "dora", "dora_noreuse")
+Mode = Literal["sync", "one_step_off", "partial", "partial_sync", "dora", "dora_noreuse"]
+MODES: tuple[Mode, ...] = (
+    "sync",
+    "one_step_off",
+    "partial",
+    "partial_sync",
+    "dora",
+    "dora_noreuse",
+)
 
 
 @dataclass(frozen=True)

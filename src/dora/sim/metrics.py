@@ -90,18 +90,24 @@ def ideal_step_time(
 ) -> float:
     """The fastest step each mode could take, mean over steps.
 
-    ``sync`` generates a batch, then trains on it: max(W/C, D) + T. A streaming mode overlaps
-    the two, and a trajectory may span K+1 steps (its version is trained up to K steps after
-    it was dispatched): max(W/C, T, (D + T)/(K + 1)). W/C: decode work over the fleet's
-    capacity; D: the longest trajectory at single-request speed; T: the training step.
+    ``sync`` generates a batch, then trains on it: max(W/C, D) + T. ``partial_sync`` also
+    stops to train but carries long trajectories across steps: W/C + T. A streaming mode
+    overlaps the two, and a trajectory may span K+1 steps (its version is trained up to K
+    steps after it was dispatched): max(W/C, T, (D + T)/(K + 1)). W/C: decode work over the
+    fleet's capacity; D: the longest trajectory at single-request speed; T: the training step.
     """
     if not records:
         return 0.0
-    k = max(cfg.staleness, 1) if cfg.mode != "sync" else 0
+    k = max(cfg.staleness, 1)
     bounds = []
     for record, t in zip(records, train, strict=True):
         work, alone = step_bounds(cfg, fleet, record)
-        bounds.append(max(work, alone) + t if k == 0 else max(work, t, (alone + t) / (k + 1)))
+        if cfg.mode == "sync":
+            bounds.append(max(work, alone) + t)
+        elif cfg.mode == "partial_sync":
+            bounds.append(work + t)
+        else:
+            bounds.append(max(work, t, (alone + t) / (k + 1)))
     return float(np.mean(bounds))
 
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from dora.sim.baselines import Driver, OneStepOffDriver, PartialDriver, SyncDriver
+from dora.sim.baselines import (
+    Driver,
+    OneStepOffDriver,
+    PartialDriver,
+    PartialSyncDriver,
+    SyncDriver,
+)
 from dora.sim.config import MODES, Mode, SimConfig
 from dora.sim.metrics import SimResult, summarize
 
@@ -17,6 +23,8 @@ def _driver(cfg: SimConfig) -> Driver:
         return OneStepOffDriver(cfg)
     if cfg.mode == "partial":
         return PartialDriver(cfg)
+    if cfg.mode == "partial_sync":
+        return PartialSyncDriver(cfg)
     from dora.sim.dora_mode import DoraDriver
 
     return DoraDriver(cfg)
