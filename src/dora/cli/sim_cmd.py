@@ -30,6 +30,13 @@ def cli(
     group_size: int = typer.Option(16, min=1, help="G: samples per group."),
     staleness: int = typer.Option(1, min=0, help="K: staleness bound."),
     trainer_gpus: int = typer.Option(0, min=0, help="Trainer GPUs (0: as many as engines)."),
+    train_flops: float = typer.Option(
+        10.0,
+        "--train-flops-per-token",
+        min=1.0,
+        help="Trainer FLOPs per parameter per token: 10 = forward + backward + old-policy and "
+        "reference logprobs (GRPO); 6 = forward + backward only.",
+    ),
     plan_tick: float = typer.Option(20.0, min=0.001, help="Seconds between plan calls (dora)."),
     plan_debounce: float = typer.Option(
         1.0, min=0.0, help="Plan this soon after an old-version engine runs dry (dora)."
@@ -38,7 +45,7 @@ def cli(
     json_out: Path = typer.Option(Path("runs/sim/sim.json"), "--json", help="JSON output."),
     png_out: Path | None = typer.Option(None, "--png", help="PNG (default: next to JSON)."),
 ) -> None:
-    """Simulate sync / one_step_off / partial / dora / dora_noreuse and compare them."""
+    """Simulate sync / one_step_off / partial / partial_sync / dora / dora_noreuse."""
     from rich.console import Console
 
     from dora.engines.sim import cost_preset, workload_preset
@@ -59,6 +66,7 @@ def cli(
             group_size=group_size,
             staleness=staleness,
             trainer_gpus=trainer_gpus or None,
+            train_flops_per_token=train_flops,
             plan_tick_s=plan_tick,
             plan_debounce_s=plan_debounce,
             seed=seed,

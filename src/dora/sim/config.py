@@ -23,8 +23,10 @@ MODES: tuple[Mode, ...] = (
 class TrainerCost:
     """The learner stand-in: a separate pool of trainer GPUs running GRPO steps.
 
-    Assumption (stated, not measured): training costs ``flops_per_param_token`` (6: forward +
-    backward) FLOPs per parameter per token of prompt + completion, at ``mfu`` of the
+    Assumption (stated, not measured): training costs ``flops_per_param_token`` FLOPs per
+    parameter per token of prompt + completion (10, what a GRPO step does: forward + backward
+    6, the old policy's logprobs 2, the reference model's 2; 6 is forward + backward alone), at
+    ``mfu`` of the
     trainer GPUs' peak, plus a fixed ``step_overhead_s`` (optimizer step, publishing weights).
     Trainer GPUs are disjoint from the rollout engines (a disaggregated layout, so async modes
     can overlap training with rollout; sync pays both in series on the same hardware budget).
@@ -33,7 +35,7 @@ class TrainerCost:
     gpus: int
     peak_flops: float = 989.4e12
     mfu: float = 0.40
-    flops_per_param_token: float = 6.0
+    flops_per_param_token: float = 10.0
     step_overhead_s: float = 5.0
 
     def step_time(self, tokens: int, params: float) -> float:
@@ -56,6 +58,7 @@ class SimConfig:
     workload: Workload = DAPO_16K
     trainer_gpus: int | None = None
     trainer: TrainerCost | None = field(default=None)
+    train_flops_per_token: float = 10.0  # per parameter (see TrainerCost)
     max_seqs: int | None = None  # per engine; None: tuned to the KV capacity (see fleet)
     plan_tick_s: float = 20.0  # dora: plan runs this often (virtual s) and at each publish
     plan_debounce_s: float = 1.0  # ... and this soon after an engine of an old version runs dry
@@ -80,4 +83,7 @@ class SimConfig:
     def learner(self) -> TrainerCost:
         if self.trainer is not None:
             return self.trainer
-        return TrainerCost(gpus=self.trainer_gpus or self.engines)
+        return TrainerCost(
+            gpus=self.trainer_gpus or self.engines,
+            flops_per_param_token=self.train_flops_per_token,
+        )
