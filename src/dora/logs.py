@@ -81,7 +81,8 @@ def configure(
 ) -> Path | None:
     """Route structlog for this process; returns the log file's path (None without a run
     folder). Calling it again (a second run in one process) closes the previous file."""
-    global _open_file
+    global _open_file, _notices
+    _notices = LEVELS[console_level] <= logging.WARNING
     if _open_file is not None:
         _open_file.close()
         _open_file = None
@@ -114,3 +115,15 @@ def configure(
 
 
 _open_file: TextIO | None = None
+
+
+_notices = True
+
+
+def notice(text: str) -> None:
+    """A plain line for the person watching a long phase (a warm start, a kernel build) when
+    no live view shows it: written to stderr unless the console is quiet (``--quiet``)."""
+    if _notices:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()

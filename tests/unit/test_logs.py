@@ -6,6 +6,7 @@ import io
 import json
 from pathlib import Path
 
+import pytest
 import structlog
 
 from dora import logs
@@ -38,3 +39,15 @@ def test_json_console_lines_parse(tmp_path: Path) -> None:
         logs.configure(None, "info", console=io.StringIO())
     event = json.loads(console.getvalue())
     assert event["event"] == "hello" and event["n"] == 2
+
+
+def test_notices_of_long_phases_reach_stderr_unless_quiet(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    logs.configure(tmp_path / "a")
+    logs.notice("warm start: step 5/450, about 3.1 min left")
+    assert capsys.readouterr().err == "warm start: step 5/450, about 3.1 min left\n"
+    logs.configure(tmp_path / "b", console_level="error")  # --quiet
+    logs.notice("building the C++ kernel")
+    assert capsys.readouterr().err == ""
+    logs.configure(None)

@@ -137,6 +137,7 @@ class LearnerStage(Stage):
         """Start and final policy on the frozen eval set: pooled and per-stratum means with
         standard errors clustered by problem, and the paired gain. Per-problem scores go to
         ``eval_scores.json`` (to pool seeds or re-analyse without re-running)."""
+        from dora.logs import notice
         from dora.models import load_pretrained
         from dora.tasks import make_task
         from dora.tasks.evalset import build_eval_set
@@ -153,6 +154,8 @@ class LearnerStage(Stage):
         # The start policy's scores are a pure function of its weights and the frozen set:
         # kept beside the weights, so a run from a cached warm start does not pay for them.
         cached = self.model_dir / f"eval-{eval_set.fingerprint}-k{cfg.samples}.json"
+        which = "the final policy" if cached.is_file() else "the start and final policies"
+        notice(f"evaluating {which} on {len(eval_set.prompts)} held-out problems")
         if cached.is_file():
             start_scores = json.loads(cached.read_text())
         else:

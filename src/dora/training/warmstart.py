@@ -17,6 +17,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dora import interrupt
 from dora.events import Prompt
+from dora.logs import notice
 from dora.models.checkpoint import build_model, save_pretrained
 from dora.models.llama import LlamaModel
 from dora.models.tokenizer import CharTokenizer
@@ -37,6 +39,9 @@ from dora.tasks import Task, make_task
 from dora.training.evaluate import evaluate_task
 
 log = structlog.get_logger(__name__)
+
+NOTE_EVERY_S = 30.0
+"""Off a terminal, a warm-start progress line this often (a live bar shows only its end)."""
 
 FORMAT_VERSION = 2
 """Bump when training code changes what a config produces (invalidates caches)."""
@@ -270,9 +275,11 @@ def train(
         TextColumn("{task.fields[tps]:.0f} tok/s"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, disable=not progress, transient=False) as bar:
+    plain = progress and not sys.stderr.isatty()  # a live bar shows nothing until the end
+    noted = start
+    with Progress(*columns, disable=not progress or plain, transient=False) as bar:
         job = bar.add_task("train", total=config.steps, loss=float("nan"), tps=0.0)
-        for _step in range(config.steps):
+        for step in range(config.steps):
             interrupt.check()  # Ctrl-C stops a warm start within one step
             ids, seg, mask = next(batches)
             logits = model(ids, segment_ids=seg)
@@ -287,6 +294,13 @@ def train(
             tokens += int(ids.numel())
             elapsed = time.perf_counter() - start
             bar.update(job, advance=1, loss=float(np.mean(losses[-10:])), tps=tokens / elapsed)
+            if plain and (time.perf_counter() - noted >= NOTE_EVERY_S or step == 4):
+                noted = time.perf_counter()
+                left = elapsed / (step + 1) * (config.steps - step - 1)
+                notice(
+                    f"warm start: step {step + 1}/{config.steps}, "
+                    f"loss {np.mean(losses[-10:]):.3f}, about {left / 60:.1f} min left"
+                )
     model.eval()
     seconds = time.perf_counter() - start
     return {
@@ -344,6 +358,11 @@ def _build(config: WarmstartConfig, target: Path, progress: bool) -> None:
     model, tokenizer = build_model(config.preset, seed=config.seed, **config.model_overrides)
     task = make_task(config.task, seed=config.seed, **config.task_config)
     log.info("warmstart_training", steps=config.steps, task=config.task, target=str(target))
+    if progress:
+        notice(
+            f"warm start: training {config.steps} supervised steps on {config.task} "
+            f"(once; later runs reuse {target})"
+        )
     stats = train(model, tokenizer, task, config, progress)
     ev = evaluate_task(
         model,

@@ -13,9 +13,12 @@ import os
 import platform
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import structlog
+
+from dora.logs import notice
 
 log = structlog.get_logger(__name__)
 
@@ -50,8 +53,11 @@ def _compile(name: str, source: str, switch: str, bind: Callable[[], T]) -> T | 
         log.info("extension_disabled", extension=name, reason=f"{switch}=0")
         return None
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import _get_build_directory, load_inline
 
+        built = Path(_get_build_directory(f"{name}_{cpu_tag()}", verbose=False))
+        if not any(built.glob("*.so")):
+            notice(f"building the C++ kernel {name} (first run on this machine, about a minute)")
         load_inline(
             name=f"{name}_{cpu_tag()}",
             cpp_sources=[source],
