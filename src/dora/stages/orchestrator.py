@@ -81,7 +81,8 @@ class OrchestratorStage(ServiceStage):
         self.services.start("controller", self.controller.run(), self.controller.stop)
 
     def _counts(self) -> dict[str, int]:
-        """Commands sent: version assignments and (dora mode) migrations."""
+        """Commands sent: version assignments and (dora mode) migration orders, and how many
+        requests moved (an order moves several; a request may finish before it is moved)."""
         from dora.rollout.actions import AssignEngine, MigrateRequests
 
         controller = getattr(self, "controller", None)
@@ -90,9 +91,12 @@ class OrchestratorStage(ServiceStage):
         if not hasattr(controller, "actions"):  # the baseline controller
             return {"assignments": len(controller.assignments)}
         actions = [action for _, action in controller.actions]
+        outcomes = controller.migrator.outcomes
         return {
             "assignments": sum(isinstance(a, AssignEngine) for a in actions),
-            "migrations": sum(isinstance(a, MigrateRequests) for a in actions),
+            "migration_orders": sum(isinstance(a, MigrateRequests) for a in actions),
+            "requests_migrated": sum(o.ok for o in outcomes),
+            "migrations_refused": sum(not o.ok for o in outcomes),
         }
 
     def progress_done(self) -> int | None:
