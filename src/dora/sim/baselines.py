@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from dora.rollout.dispatcher import Dispatcher, DispatcherConfig
 from dora.sim.config import SimConfig
 from dora.sim.fleet import Fleet, Group
@@ -227,17 +229,23 @@ class PartialSyncDriver(Driver):
         for e, core in enumerate(fleet.cores):
             old, had_kv, held = self.carried[e]
             core.load_weights(version, fleet.now)
-            for req in held:
-                done_here = req.generated - sum(n for _, n in req.version_tokens)
-                if done_here:
-                    req.version_tokens.append((old, done_here))
-                if req.rid in had_kv:
-                    req.reprefilled += req.context  # prompt + generated, prefilled again
-                core.add(req)
+            resume_first(core, held, old, had_kv)
             fleet.fill(e, self.QUEUE)
             fleet.schedule(e)
         self.carried = []
         self.top_up()
+
+
+def resume_first(core: Any, held: list[Any], old: int, had_kv: set[str]) -> None:
+    """Partial rollout after a weight load: the interrupted requests go back first, their
+    tokens so far credited to ``old``; those that had KV pay a re-prefill of their context."""
+    for req in held:
+        done_here = req.generated - sum(n for _, n in req.version_tokens)
+        if done_here:
+            req.version_tokens.append((old, done_here))
+        if req.rid in had_kv:
+            req.reprefilled += req.context  # prompt + generated, prefilled again
+        core.add(req)
 
 
 class StalenessWindow:
@@ -350,13 +358,7 @@ class PartialDriver(StreamingDriver):
             had_kv = set(core.running)
             held = core.interrupt_all()
             core.load_weights(version, fleet.now)
-            for req in held:
-                done_here = req.generated - sum(n for _, n in req.version_tokens)
-                if done_here:
-                    req.version_tokens.append((old, done_here))
-                if req.rid in had_kv:
-                    req.reprefilled += req.context  # prompt + generated, prefilled again
-                core.add(req)
+            resume_first(core, held, old, had_kv)
             fleet.fill(e, self.QUEUE)
             fleet.schedule(e)
         self.top_up()
