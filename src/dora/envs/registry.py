@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict
 
 from dora.envs.base import Environment
-from dora.tasks.base import TaskConfigError, validate_config
+from dora.named import Named
+from dora.tasks.base import TaskConfigError
 
 
 class EnvironmentConfig(BaseModel):
@@ -24,25 +25,20 @@ class EnvironmentConfig(BaseModel):
 
 
 C = TypeVar("C", bound=EnvironmentConfig)
-_REGISTRY: dict[str, tuple[type[EnvironmentConfig], Callable[[Any], Environment]]] = {}
+_ENVIRONMENTS: Named[Environment] = Named("environment", TaskConfigError)
 
 
 def register_environment(
     name: str, config_cls: type[C], factory: Callable[[C], Environment], *, replace: bool = False
 ) -> None:
     """Make ``make_environment(name, **config)`` build ``factory(config_cls(**config))``."""
-    if name in _REGISTRY and not replace:
-        raise TaskConfigError(f"environment {name!r} is already registered")
-    _REGISTRY[name] = (config_cls, factory)
+    _ENVIRONMENTS.register(name, config_cls, factory, replace=replace)
 
 
 def environment_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return _ENVIRONMENTS.names()
 
 
 def make_environment(name: str, **config: Any) -> Environment:
     """A fresh environment for one episode (the config is validated; bad fields are named)."""
-    if name not in _REGISTRY:
-        raise TaskConfigError(f"unknown environment {name!r}; choose one of {environment_names()}")
-    config_cls, factory = _REGISTRY[name]
-    return factory(validate_config(config_cls, config, f"environment {name!r}"))
+    return _ENVIRONMENTS.make(name, **config)

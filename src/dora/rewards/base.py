@@ -11,9 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from dora.events import Prompt
+from dora.named import Named
 
 Detail = str | int | float | bool
 
@@ -46,7 +47,7 @@ class VerifierConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-_REGISTRY: dict[str, tuple[type[VerifierConfig], Callable[[Any], Verifier]]] = {}
+_VERIFIERS: Named[Verifier] = Named("verifier", VerifierError)
 
 
 def register_verifier(
@@ -57,29 +58,17 @@ def register_verifier(
     replace: bool = False,
 ) -> None:
     """Make ``make_verifier(name, **config)`` build ``factory(config_cls(**config))``."""
-    if name in _REGISTRY and not replace:
-        raise VerifierError(f"verifier {name!r} is already registered")
-    _REGISTRY[name] = (config_cls, factory)
+    _VERIFIERS.register(name, config_cls, factory, replace=replace)
 
 
 def verifier_names() -> list[str]:
     """Names ``make_verifier`` accepts."""
-    return sorted(_REGISTRY)
+    return _VERIFIERS.names()
 
 
 def make_verifier(name: str, **config: Any) -> Verifier:
     """Build a registered verifier; unknown names and bad fields raise VerifierError."""
-    if name not in _REGISTRY:
-        raise VerifierError(f"unknown verifier {name!r}; choose one of {verifier_names()}")
-    config_cls, factory = _REGISTRY[name]
-    try:
-        cfg = config_cls(**config)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '<config>'}: {e['msg']}" for e in exc.errors()
-        )
-        raise VerifierError(f"invalid config for verifier {name!r}: {problems}") from exc
-    return factory(cfg)
+    return _VERIFIERS.make(name, **config)
 
 
 def last_answer_line(completion: str, marker: str = "answer:") -> str | None:

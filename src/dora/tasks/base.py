@@ -11,9 +11,10 @@ import random
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from dora.events import Prompt
+from dora.named import Named
 
 Split = Literal["train", "dev", "eval"]
 SPLITS: tuple[Split, ...] = ("train", "dev", "eval")
@@ -95,7 +96,7 @@ class BaseTask:
 
 
 TaskFactory = Callable[..., Task]
-_REGISTRY: dict[str, tuple[type[TaskConfig], Callable[[Any], Task]]] = {}
+_TASKS: Named[Task] = Named("task", TaskConfigError)
 C = TypeVar("C", bound=TaskConfig)
 
 
@@ -103,31 +104,14 @@ def register_task(
     name: str, config_cls: type[C], factory: Callable[[C], Task], *, replace: bool = False
 ) -> None:
     """Make ``make_task(name, **config)`` build ``factory(config_cls(**config))``."""
-    if name in _REGISTRY and not replace:
-        raise TaskConfigError(f"task {name!r} is already registered")
-    _REGISTRY[name] = (config_cls, factory)
+    _TASKS.register(name, config_cls, factory, replace=replace)
 
 
 def task_names() -> list[str]:
     """Names ``make_task`` accepts."""
-    return sorted(_REGISTRY)
-
-
-def validate_config(config_cls: type[C], config: dict[str, Any], what: str) -> C:
-    """Validate with pydantic; re-raise as TaskConfigError naming each bad field."""
-    try:
-        return config_cls(**config)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<config>'}: {err['msg']}"
-            for err in exc.errors()
-        )
-        raise TaskConfigError(f"invalid config for {what}: {problems}") from exc
+    return _TASKS.names()
 
 
 def make_task(name: str, **config: Any) -> Task:
     """Build a registered task from keyword config (validated; bad fields are named)."""
-    if name not in _REGISTRY:
-        raise TaskConfigError(f"unknown task {name!r}; choose one of {task_names()}")
-    config_cls, factory = _REGISTRY[name]
-    return factory(validate_config(config_cls, config, f"task {name!r}"))
+    return _TASKS.make(name, **config)
