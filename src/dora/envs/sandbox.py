@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import functools
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -124,13 +123,12 @@ class Sandbox:
     async def _run(self, argv: list[str], cwd: str | None, as_nobody: bool) -> SandboxResult:
         limits = self.limits
         proc = await asyncio.create_subprocess_exec(
-            *argv,
+            *_limited(argv, limits, as_nobody),
             cwd=cwd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,  # one process group: the deadline kills all of it
-            preexec_fn=functools.partial(_limit, limits, as_nobody),
         )
         output = _Output(proc.pid, limits.output_bytes)
         reads = asyncio.gather(output.read(proc.stdout, 0), output.read(proc.stderr, 1))
@@ -174,22 +172,26 @@ class _Output:
                 _kill_group(self.pid)
 
 
-def _limit(limits: SandboxLimits, as_nobody: bool) -> None:
-    """In the child, before exec: the resource limits, then (as root) drop to nobody."""
+def _limited(argv: list[str], limits: SandboxLimits, as_nobody: bool) -> list[str]:
+    """``argv`` under the resource limits (``prlimit``) and, as root, as nobody (``setpriv``):
+    set by programs exec'd before it rather than in a forked child of this threaded process,
+    where Python code before ``exec`` can deadlock."""
     mb = 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_size_mb * mb,) * 2)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # as another user the limit counts every process of that user: leave room for those
+    others = 0 if as_nobody else _processes_of(os.getuid())
+    nproc = limits.processes + others
+    wrapped = [
+        "prlimit",
+        f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",
+        f"--as={limits.memory_mb * mb}",
+        f"--fsize={limits.file_size_mb * mb}",
+        "--core=0",
+        f"--nproc={nproc}",
+        "--",
+    ]
     if as_nobody:
-        os.setgroups([])
-        os.setgid(NOBODY)
-        nproc = limits.processes
-    else:  # the limit counts every process of this user: leave room for the ones running
-        nproc = limits.processes + _processes_of(os.getuid())
-    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    if as_nobody:
-        os.setuid(NOBODY)
+        wrapped += ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"]
+    return [*wrapped, *argv]
 
 
 def _processes_of(uid: int) -> int:
