@@ -247,3 +247,59 @@ async def test_retail_rewards_exactly_the_goal_read_from_the_final_database() ->
     train = {p.metadata["db_seed"] for p in task.prompts("train", 200)}
     evals = {p.metadata["db_seed"] for p in task.prompts("eval", 50)}
     assert not train & evals  # split by problem identity
+
+
+class Stuck:
+    """An environment that hangs or raises where it is told to."""
+
+    def __init__(self, hang_in: str = "", raise_in: str = "", step_s: float = 0.0) -> None:
+        self.hang_in, self.raise_in, self.step_s, self.closed = hang_in, raise_in, step_s, False
+
+    async def _act(self, where: str) -> None:
+        if self.raise_in == where:
+            raise RuntimeError(f"{where} broke")
+        if self.hang_in == where:
+            await asyncio.sleep(3600)
+
+    async def reset(self, p: Prompt, seed: int) -> list[Any]:
+        await self._act("reset")
+        return []
+
+    async def step(self, turn: AssistantTurn) -> Any:
+        await self._act("step")
+        await asyncio.sleep(self.step_s)
+        from dora.envs import StepResult
+
+        return StepResult(messages=[])
+
+    async def close(self) -> None:
+        await self._act("close")
+        self.closed = True
+
+
+async def test_guarded_environments_end_episodes_instead_of_hanging_or_raising() -> None:
+    from dora.envs.guard import EnvironmentFailed, Guarded
+
+    started = time.monotonic()
+    with pytest.raises(EnvironmentFailed, match=r"reset took longer than 0\.2 s"):
+        await Guarded(Stuck(hang_in="reset"), step_timeout_s=0.2).reset(prompt(), 0)
+    with pytest.raises(EnvironmentFailed, match="RuntimeError: reset broke"):
+        await Guarded(Stuck(raise_in="reset")).reset(prompt(), 0)
+
+    hung = Guarded(Stuck(hang_in="step"), step_timeout_s=0.2)
+    await hung.reset(prompt(), 0)
+    result = await hung.step(AssistantTurn("x"))
+    assert result.done and "step took longer than 0.2 s" in result.error
+    broken = Guarded(Stuck(raise_in="step"))
+    await broken.reset(prompt(), 0)
+    assert (await broken.step(AssistantTurn("x"))).error == "RuntimeError: step broke"
+
+    slow = Guarded(Stuck(step_s=0.15), step_timeout_s=1.0, episode_timeout_s=0.4)
+    await slow.reset(prompt(), 0)
+    outcomes = [await slow.step(AssistantTurn("x")) for _ in range(4)]
+    assert not outcomes[0].done and outcomes[-1].done  # the episode's deadline ended it
+    assert "took longer than" in outcomes[-1].error or "deadline" in outcomes[-1].error
+
+    await Guarded(Stuck(hang_in="close"), step_timeout_s=0.2).close()  # bounded, no raise
+    await Guarded(Stuck(raise_in="close")).close()
+    assert time.monotonic() - started < 3

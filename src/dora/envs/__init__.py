@@ -10,12 +10,14 @@ Stable API::
     await env.close()
 
     GymTextEnvironment(make)                # a SkyRL-gym / rLLM style sync environment
+    Guarded(env, step_timeout_s=60, episode_timeout_s=600)  # deadlines; errors end episodes
     make_environment("calculator", max_turns=4)
     await Sandbox().run_python(code)        # model-written code under bubblewrap
 """
 
 from dora.envs.base import AssistantTurn, ChatMessage, Environment, StepResult
 from dora.envs.calculator import CALCULATOR, calculator
+from dora.envs.guard import EnvironmentFailed, Guarded
 from dora.envs.gym import GymTextEnvironment
 from dora.envs.registry import (
     EnvironmentConfig,
@@ -57,6 +59,8 @@ __all__ = [
     "ChatMessage",
     "Environment",
     "EnvironmentConfig",
+    "EnvironmentFailed",
+    "Guarded",
     "GymTextEnvironment",
     "ParsedTurn",
     "RetailEnvironment",
