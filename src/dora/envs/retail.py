@@ -108,10 +108,8 @@ class RetailEnvironment:
         self.expected = apply_goal(self.db, json.loads(prompt.answer)).state()
         self.inner = ToolEnvironment(
             RetailTools(self.db).toolset(),
-            system="You are a store's support agent. Use the tools to do what the customer asks.",
-            score=lambda _prompt, _answer: float(
-                self.db is not None and self.db.state() == self.expected
-            ),
+            system=SYSTEM,
+            score=lambda _prompt, _answer: self._score(),
             max_turns=self.max_turns,
         )
         return await self.inner.reset(prompt, seed)
