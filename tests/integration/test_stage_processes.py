@@ -190,7 +190,7 @@ def gone(pid: int, within_s: float = 30.0) -> bool:
     return False
 
 
-MIGRATING = {"steps": 8, "k": 2, "g": 4}
+MIGRATING = {"steps": 16, "k": 2, "g": 4}
 
 
 def migrating_pipeline(tmp: Path) -> Path:
