@@ -35,7 +35,7 @@ from dora.crashpoints import crash_point
 from dora.events import DeadLetter, Ledger, Metrics, ScoredTrajectory, WeightVersion
 from dora.learner.batching import Batch
 from dora.learner.config import LearnerConfig
-from dora.learner.core import HISTORY_STEPS, LearnerCore
+from dora.learner.core import LearnerCore
 from dora.learner.journal import JournalEntry
 from dora.learner.metrics import MetricsWriter
 from dora.learner.weights import (
@@ -58,7 +58,7 @@ MAX_DELIVER = 1_000
 
 StepHook = Callable[[int, Batch, dict[str, float]], None]
 
-__all__ = ["HISTORY_STEPS", "LEDGER_KEY", "MAX_DELIVER", "LearnerService", "StepHook"]
+__all__ = ["MAX_DELIVER", "LearnerService", "StepHook"]
 
 
 class LearnerService:

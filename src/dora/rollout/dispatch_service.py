@@ -266,7 +266,6 @@ class DispatchService:
 
 
 __all__ = [
-    "LEDGER_KEY",
     "DispatchService",
     "Tokenize",
     "refused_request_id",

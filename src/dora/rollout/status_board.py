@@ -17,7 +17,7 @@ import structlog
 
 from dora.bus import Bus, Subscription
 from dora.events import EngineStatus
-from dora.stage.deadletter import build_dead_letter, parse_event
+from dora.stage.deadletter import dead_letter, parse_event
 
 log = structlog.get_logger(__name__)
 
@@ -65,8 +65,7 @@ class StatusBoard:
             if status is None:
                 if self.owner is not None:
                     log.warning("status_rejected", stage=self.owner, reason=reason[:300])
-                    letter = await build_dead_letter(self.bus, msg, self.owner, reason)
-                    await self.bus.publish_event(self.bus.subjects.deadletter, letter)
+                    await dead_letter(self.bus, msg, self.owner, reason)
                 continue
             previous = self.latest.get(status.engine_id)
             self.latest[status.engine_id] = status
