@@ -113,10 +113,20 @@ class GeneratorCore:
             return "renewed"
         if queue is not None:
             request = retag(request, version)
-        await self.call(self.engine.add_request, request)
+        if not await self.call(self._add_if_serving, request, version):
+            return "not_ours"  # a load of other weights was running on the engine thread
         self.held[request.request_id] = Held(lease)
         self.stats.pulled += 1
         return "added"
+
+    def _add_if_serving(self, request: RolloutRequest, version: int) -> bool:
+        """Engine thread: add ``request`` only if the engine still serves ``version``. The
+        check above reads the version from the event loop while a load may be running here
+        (assigned v+1, loading, then assigned back to v): checked again where it cannot race."""
+        if self.engine.version != version:
+            return False
+        self.engine.add_request(request)
+        return True
 
     # ------------------------------------------------------------------ generating
 

@@ -1,0 +1,46 @@
+"""The generator core's admission against a weight load running on the engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from dora.engines.base import VersionMismatch
+from dora.learner.synthetic import make_scored
+from dora.rollout.generator_config import GeneratorConfig
+from dora.rollout.generator_core import GeneratorCore
+
+
+class LoadingEngine:
+    """Just enough engine: a version, a weight load that waits to be let through, requests."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.requests: list[Any] = []
+        self.release = threading.Event()
+
+    def load_weights(self, version: int, weights: Any) -> None:
+        self.release.wait(timeout=30)
+        self.version = version
+
+    def add_request(self, request: Any) -> None:
+        if request.version != self.version:
+            raise VersionMismatch(f"v{request.version} request on a v{self.version} engine")
+        self.requests.append(request)
+
+
+async def test_a_request_pulled_while_other_weights_load_is_handed_back() -> None:
+    # The orchestrator assigned v35, the engine began loading it, then assigned v34 back: the
+    # event loop still reads version 34 while the thread loads 35.
+    engine = LoadingEngine(version=34)
+    core = GeneratorCore(engine, GeneratorConfig(engine_id="e0", initial_version=34))  # type: ignore[arg-type]
+    loading = asyncio.ensure_future(core.call(engine.load_weights, 35, None))
+    request = make_scored(group_id="g", group_index=0, group_size=1, version=34).trajectory.request
+    admitting = asyncio.ensure_future(core.admit(request, lease=object(), version=34))  # type: ignore[arg-type]
+    await asyncio.sleep(0)  # admit has passed its event-loop check and waits for the thread
+    engine.release.set()
+    await loading
+    assert await admitting == "not_ours"  # handed back to its queue, not dead-lettered
+    assert engine.requests == [] and core.held == {}
+    core.close()
