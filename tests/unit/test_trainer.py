@@ -176,3 +176,26 @@ def test_kl_needs_a_reference_model() -> None:
     group = [make_scored(group_id="g", group_index=i, group_size=2, reward=i) for i in range(2)]
     m = trainer.step(as_groups([group]))
     assert m["loss/kl"] == pytest.approx(0.0, abs=1e-9)  # same weights before the step
+
+
+def _cut_off(scored):
+    """The same sample, stopped by the length limit instead of a stop token."""
+    trajectory = scored.trajectory.model_copy(update={"finish_reason": "length"})
+    return scored.model_copy(update={"trajectory": trajectory})
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_overlong_filtering_masks_cut_off_responses(mask_truncated: bool) -> None:
+    model, tok = tiny()
+    prompt = tok.encode("q:", add_bos=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    completions = [tok.encode("ab"), tok.encode("ba")]
+    group = score_completions(
+        model, group_id="g", prompt_ids=prompt, completions=completions, rewards=[1.0, 0.0]
+    )
+    trainer = Trainer(model, GRPOConfig(mask_truncated=mask_truncated), OptimConfig(lr=1e-2))
+    m = trainer.step(as_groups([[_cut_off(s) for s in group]]))
+    unchanged = all(torch.equal(x, y) for x, y in zip(before, model.parameters(), strict=True))
+    assert m["groups/trained"] == 1.0  # the group still has its advantages ...
+    assert m["samples/masked_truncated"] == (2.0 if mask_truncated else 0.0)
+    assert unchanged == mask_truncated  # ... but cut-off samples add no loss when filtered

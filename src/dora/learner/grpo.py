@@ -47,6 +47,9 @@ class GRPOConfig:
     """Constant divisor of ``seq-mean-token-sum-norm`` (Dr.GRPO: the generation budget)."""
     skip_all_equal: bool = True
     """Dynamic sampling: groups whose rewards are all equal carry no signal; skip (and count)."""
+    mask_truncated: bool = False
+    """DAPO overlong filtering: a response cut off by the length limit keeps its place in its
+    group's advantages but adds no loss (its tokens are not pushed down for being unfinished)."""
     ratio_against: RatioAgainst = "proximal"
     is_correction: ISCorrection = "truncate"
     is_cap: float = 2.0

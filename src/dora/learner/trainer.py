@@ -166,7 +166,7 @@ class Trainer:
 
     def _samples(self, groups: Sequence[Group]) -> tuple[list[_Sample], dict[str, float]]:
         samples: list[_Sample] = []
-        skipped = 0
+        skipped = masked = 0
         for g in groups:
             rewards = torch.tensor(g.rewards, dtype=torch.float32)
             if self.grpo.skip_all_equal and all_equal(rewards):
@@ -181,17 +181,22 @@ class Trainer:
                     continue
                 temp = t.request.sampling.temperature
                 use = self.optim_config.use_sampling_temperature and temp > 0
+                cut = self.grpo.mask_truncated and t.finish_reason == "length"
+                masked += cut
                 samples.append(
                     _Sample(
                         tokens=list(t.prompt_token_ids) + list(t.completion_token_ids),
                         prompt_len=len(t.prompt_token_ids),
                         behaviour=list(t.logprobs),
-                        mask=list(t.loss_mask),
+                        mask=[0] * len(t.loss_mask) if cut else list(t.loss_mask),
                         advantage=a,
                         temperature=temp if use else 1.0,
                     )
                 )
-        return samples, {"groups/skipped_all_equal": float(skipped)}
+        return samples, {
+            "groups/skipped_all_equal": float(skipped),
+            "samples/masked_truncated": float(masked),
+        }
 
     def _microbatches(self, samples: list[_Sample]) -> list[list[_Sample]]:
         """Length-sorted micro-batches whose padded size fits the token budget."""
