@@ -133,6 +133,14 @@ def write(tmp_path: Path, text: str) -> Path:
             "stages:\n  - type: verifier\n    consumes: trajectory\n",
             ["stages[0].consumes", "unknown family 'trajectory'"],
         ),
+        (  # the Ray deployment's keys are checked whatever the deployment
+            "stages:\n  - type: verifier\n    resources: {num_gpu: 1}\n",
+            ["stages[0].resources.num_gpu", "Extra inputs are not permitted"],
+        ),
+        (
+            "stages:\n  - type: verifier\n    placement: scatter\n",
+            ["stages[0].placement", "'pack', 'spread', 'strict_pack' or 'strict_spread'"],
+        ),
     ],
 )
 def test_bad_pipeline_files_name_file_and_field(

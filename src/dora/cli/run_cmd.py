@@ -27,6 +27,7 @@ from dora.logs import configure as configure_logs
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from dora.deploy.ray import RayRun
     from dora.pipeline import Pipeline
     from dora.pipeline.processes import ProcessRun
 
@@ -86,15 +87,15 @@ async def _run(
 
 
 async def _run_processes(
-    supervisor: ProcessRun,
+    supervisor: ProcessRun | RayRun,
     console: Console,
     received: list[int],
     refresh_s: float = 0.5,
     quiet: bool = False,
 ) -> dict[str, Any]:
-    """``--processes``: the supervisor runs the stage processes; a first signal drains them
-    all, a second one gives up. The live view is the in-process one, fed by the processes'
-    progress files."""
+    """``--processes`` and ``--ray``: the supervisor runs the stage processes (or actors); a
+    first signal drains them all, a second one gives up. The live view is the in-process
+    one, fed by the stages' progress."""
     loop = asyncio.get_running_loop()
     interrupt.clear()
     current = asyncio.current_task()
@@ -126,6 +127,30 @@ async def _run_processes(
                 loop.remove_signal_handler(sig)
     supervisor.pipeline.write_summary(summary)
     return summary
+
+
+def _run_on_ray(
+    pipe: Pipeline,
+    pipeline_file: Path,
+    address: str | None,
+    overrides: list[str] | None,
+    max_steps: int | None,
+    level: str,
+    console: Console,
+    received: list[int],
+    quiet: bool,
+) -> dict[str, Any]:
+    """``--ray``: join (or start) the Ray cluster, run the stages as actors, leave it."""
+    from dora.deploy.ray import RayRun, connect, require_ray
+
+    connect(address)
+    try:
+        supervisor = RayRun(
+            pipe, pipeline_file, overrides=overrides, max_steps=max_steps, log_level=level
+        )
+        return asyncio.run(_run_processes(supervisor, console, received, quiet=quiet))
+    finally:
+        require_ray().shutdown()
 
 
 def _announce(pipeline: Pipeline, console: Console) -> None:
@@ -317,6 +342,21 @@ def cli(
             "prefixed by stage, a dead process restarted.",
         ),
     ] = False,
+    use_ray: Annotated[
+        bool,
+        typer.Option(
+            "--ray",
+            help="Each stage replica as a Ray actor, placed by each stage's `resources` and "
+            "`placement` (extra `ray`); a local Ray instance unless --ray-address.",
+        ),
+    ] = False,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray-address",
+            help="With --ray: the Ray cluster to join (ray://... or HOST:PORT, or 'auto').",
+        ),
+    ] = None,
 ) -> None:
     """Run a pipeline until its finite stages finish (or Ctrl-C), with live progress."""
     from rich.console import Console
@@ -339,8 +379,14 @@ def cli(
         nats_ca = nats_ca or _path_or_none(info.get("nats_ca"))
         overrides, max_steps = info.get("overrides") or [], info.get("max_steps")
         processes = processes or bool(info.get("processes"))  # as it ran
+        use_ray = use_ray or bool(info.get("ray"))
+        ray_address = ray_address or info.get("ray_address")
     if pipeline is None:
         raise typer.BadParameter("give a PIPELINE file, or --resume RUN_DIR")
+    if use_ray and processes:
+        raise typer.BadParameter("--ray and --processes are two deployments: pick one")
+    if ray_address and not use_ray:
+        raise typer.BadParameter("--ray-address is for --ray")
     if (nats_creds or nats_ca) and not nats:
         raise typer.BadParameter("--nats-creds and --nats-ca log in to a --nats server")
     try:
@@ -390,6 +436,8 @@ def cli(
         "overrides": list(overrides or ()),
         "max_steps": max_steps,
         "processes": processes,
+        "ray": use_ray,
+        "ray_address": ray_address,
     }
     (pipe.run_dir / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
     received: list[int] = []
@@ -408,6 +456,9 @@ def cli(
                 ),
             )
             summary = asyncio.run(_run_processes(supervisor, console, received, quiet=quiet))
+        elif use_ray:
+            summary = _run_on_ray(pipe, pipeline, ray_address, overrides, max_steps, level,
+                                  console, received, quiet)  # fmt: skip
         else:
             summary = asyncio.run(_run(pipe, console, received, quiet=quiet))
     except (asyncio.CancelledError, interrupt.Interrupted):

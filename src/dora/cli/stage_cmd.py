@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -43,21 +44,38 @@ async def serve(pipeline: Pipeline, ready: Path, progress: Path) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, on_signal)
-    async with pipeline:
+
+    reporter: asyncio.Task[None] | None = None
+
+    def started() -> None:
+        nonlocal reporter
         ready.parent.mkdir(parents=True, exist_ok=True)
         ready.write_text("")
+        reporter = asyncio.create_task(report_progress(pipeline, progress))
+
+    try:
+        await serve_until(pipeline, stop, on_started=started)
+    finally:
+        if reporter is not None:
+            reporter.cancel()
+            write_progress(pipeline, progress)
+
+
+async def serve_until(
+    pipeline: Pipeline, stop: asyncio.Event, on_started: Callable[[], None] = lambda: None
+) -> None:
+    """The one way a stage replica is served, in its own process or in a Ray actor: start it,
+    call ``on_started`` (its consumers exist), run until it finishes or ``stop`` is set (then
+    drain it); raise if it fails."""
+    async with pipeline:
+        on_started()
         waiter = asyncio.create_task(pipeline.wait())
         stopper = asyncio.create_task(stop.wait())
-        reporter = asyncio.create_task(report_progress(pipeline, progress))
         await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if not waiter.done():
             await pipeline.stop()
         stopper.cancel()
-        try:
-            await waiter
-        finally:
-            reporter.cancel()
-            write_progress(pipeline, progress)
+        await waiter
 
 
 PROGRESS_EVERY_S = 1.0

@@ -21,6 +21,9 @@ Schema::
         retry: {max_deliver: 5, backoff_s: 0.5, backoff_factor: 2, max_backoff_s: 30,
                 ack_wait_s: 30}      # optional override, every key optional
         config: {task: arithmetic, count: 32}   # validated by the stage's Config model
+        resources: {num_cpus: 1, num_gpus: 1, custom: {engine: 1}}   # optional, --ray only
+        placement: spread            # optional, --ray only: pack, spread, strict_pack,
+                                     # strict_spread (one placement group over the replicas)
     x-shared: &shared {...}          # optional: any top-level key starting with "x-" is
                                      # ignored, a home for YAML anchors stated once
 
@@ -34,7 +37,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -63,6 +66,21 @@ class RetrySpec(BaseModel):
     ack_wait_s: float = Field(default=30.0, gt=0)
 
 
+class StageResources(BaseModel):
+    """One replica's Ray resources: CPUs, GPUs, memory and custom resources (``node_type``,
+    ``accelerator``...), as ``ray.remote`` takes them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_cpus: float = Field(default=1.0, ge=0)
+    num_gpus: float = Field(default=0.0, ge=0)
+    memory: int | None = Field(default=None, ge=0, description="Bytes.")
+    custom: dict[str, float] = Field(default_factory=dict)
+
+
+Placement = Literal["pack", "spread", "strict_pack", "strict_spread"]
+
+
 class StageEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -72,6 +90,11 @@ class StageEntry(BaseModel):
     concurrency: int | None = Field(default=None, ge=1)
     consumes: str | None = Field(default=None, min_length=1, description="Input subject ref.")
     retry: RetrySpec | None = None
+    resources: StageResources | None = None
+    """Under ``dora run --ray``: what each replica's actor needs (ignored otherwise)."""
+    placement: Placement | None = None
+    """Under ``dora run --ray``: a placement group over the replicas (spread engines over
+    nodes, pack a tensor-parallel group on one); none: Ray places each actor alone."""
     config: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -129,6 +129,11 @@ class StageRunner:
     async def _source_loop(self) -> None:
         with structlog.contextvars.bound_contextvars(run=self.ctx.run_id, stage=self.stage.name):
             async for event in self.stage.produce(self.ctx):
+                if self._stopping.is_set():
+                    # stop() cancels this task, but on Python 3.11 a cancel that arrives as a
+                    # publish's ack does is swallowed (asyncio.wait_for in nats-py): a source
+                    # publishing into a busy stream would go on until killed
+                    return
                 await self.ctx.publish(event)
                 self.stats.processed += 1
         self.ctx.complete()

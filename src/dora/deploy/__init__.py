@@ -1,0 +1,1 @@
+"""Deployments beyond one process: ``dora run --ray`` (``dora.deploy.ray``)."""

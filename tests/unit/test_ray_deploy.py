@@ -1,0 +1,48 @@
+"""``dora run --ray`` without a cluster: what it says when Ray is not installed, and which
+option combinations it refuses."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dora.cli import app
+from dora.deploy.ray import RAY_MISSING, require_ray
+from dora.pipeline import PipelineError
+
+
+def test_without_ray_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(PipelineError, match=r"pip install 'dora-rl\[ray\]'"):
+        require_ray()
+
+
+def test_dora_run_ray_without_ray_exits_with_the_install_hint(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, repo_root: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)
+    pipeline = repo_root / "pipelines" / "echo.yaml"
+    result = CliRunner().invoke(
+        app, ["run", str(pipeline), "--ray", "--run-dir", str(tmp_path / "run")]
+    )
+    assert result.exit_code == 1, result.output
+    assert RAY_MISSING.split(":")[0] in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--ray", "--processes"], "pick one"),
+        (["--ray-address", "127.0.0.1:1"], "--ray-address is for --ray"),
+    ],
+)
+def test_ray_options_that_contradict_are_refused(
+    tmp_path: Path, repo_root: Path, args: list[str], needle: str
+) -> None:
+    pipeline = repo_root / "pipelines" / "echo.yaml"
+    result = CliRunner().invoke(app, ["run", str(pipeline), *args])
+    assert result.exit_code == 2
+    assert needle in " ".join(result.output.split())
