@@ -46,3 +46,17 @@ def test_ray_options_that_contradict_are_refused(
     result = CliRunner().invoke(app, ["run", str(pipeline), *args])
     assert result.exit_code == 2
     assert needle in " ".join(result.output.split())
+
+
+def test_the_cluster_example_loads_with_its_placement(repo_root: Path) -> None:
+    """``examples/ray_cluster.yaml``: a valid pipeline whose engines spread over machines."""
+    from dora.pipeline import load_pipeline
+    from dora.pipeline.spec import read_pipeline_file
+
+    path = repo_root / "examples" / "ray_cluster.yaml"
+    load_pipeline(path)  # every stage's config is valid
+    entries = {e.type: e for e in read_pipeline_file(path).stages}
+    generator, learner = entries["generator"], entries["learner"]
+    assert generator.placement == "spread" and generator.replicas == 4
+    assert generator.resources is not None and generator.resources.custom == {"engine": 1}
+    assert learner.resources is not None and learner.resources.custom == {"trainer": 1}

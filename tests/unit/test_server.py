@@ -18,9 +18,9 @@ from dora.bus.server import (
 )
 
 
-def _accepts(port: int) -> bool:
+def _accepts(port: int, host: str = "127.0.0.1") -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        with socket.create_connection((host, port), timeout=0.5):
             return True
     except OSError:
         return False
@@ -47,6 +47,18 @@ async def test_starts_with_jetstream_in_its_dir_and_stops_cleanly(tmp_path: Path
     assert not _accepts(srv.port)
     assert (store / "jetstream").is_dir()  # JetStream stored under the given dir
     srv.stop()  # idempotent
+
+
+async def test_listens_on_the_address_it_is_given_and_names_it(tmp_path: Path) -> None:
+    """``--nats-host``: the address other machines reach (here another loopback address)."""
+    srv = NatsServer(tmp_path / "nats", host="127.0.0.2")
+    assert srv.url == f"nats://127.0.0.2:{srv.port}"
+    with srv:
+        assert _accepts(srv.port, "127.0.0.2")
+        assert not _accepts(srv.port, "127.0.0.1")  # only where it was told to listen
+        nc = await nats.connect(srv.url)
+        assert nc.is_connected
+        await nc.close()
 
 
 def test_free_port_is_a_bindable_loopback_port() -> None:

@@ -108,10 +108,10 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         pass
 
 
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` (loopback by default) nobody listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
@@ -125,11 +125,15 @@ class NatsServer:
         binary: Path | None = None,
         max_payload: int = 8 * 1024 * 1024,
         authorization: dict[str, Any] | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         """``authorization``: nats-server's block of users and permissions
-        (``RunCredentials.server_authorization``); None admits anonymous clients."""
+        (``RunCredentials.server_authorization``); None admits anonymous clients. ``host``:
+        the address it listens on and that its URL names (loopback: this machine only; a
+        node's address: other machines of a Ray cluster reach it)."""
         self.store_dir = Path(store_dir)
-        self.port = port or free_port()
+        self.host = host
+        self.port = port or free_port(host)
         self.binary = binary or find_nats_server()
         self.max_payload = max_payload
         self.authorization = authorization
@@ -137,7 +141,7 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout: float = 15.0) -> NatsServer:
         """Start and wait until the port accepts connections."""
@@ -169,7 +173,7 @@ class NatsServer:
                 "-c",
                 str(conf),
                 "-a",
-                "127.0.0.1",
+                self.host,
                 "-p",
                 str(self.port),
                 "-js",

@@ -285,6 +285,14 @@ def cli(
     nats_ca: Annotated[
         Path | None, typer.Option("--nats-ca", help="CA certificate for a tls:// --nats URL.")
     ] = None,
+    nats_host: Annotated[
+        str | None,
+        typer.Option(
+            "--nats-host",
+            help="The embedded server's address (default 127.0.0.1): this machine's address "
+            "on the cluster network when stages on other machines (--ray) must reach it.",
+        ),
+    ] = None,
     run_dir: Annotated[
         Path | None, typer.Option("--run-dir", help="Run directory; default runs/<run_id>.")
     ] = None,
@@ -380,6 +388,7 @@ def cli(
         overrides, max_steps = info.get("overrides") or [], info.get("max_steps")
         processes = processes or bool(info.get("processes"))  # as it ran
         use_ray = use_ray or bool(info.get("ray"))
+        nats_host = nats_host or info.get("nats_host")
         ray_address = ray_address or info.get("ray_address")
     if pipeline is None:
         raise typer.BadParameter("give a PIPELINE file, or --resume RUN_DIR")
@@ -387,6 +396,9 @@ def cli(
         raise typer.BadParameter("--ray and --processes are two deployments: pick one")
     if ray_address and not use_ray:
         raise typer.BadParameter("--ray-address is for --ray")
+    if nats_host and nats:
+        raise typer.BadParameter("--nats-host is where the embedded server listens; --nats "
+                                 "names a server of your own")  # fmt: skip
     if (nats_creds or nats_ca) and not nats:
         raise typer.BadParameter("--nats-creds and --nats-ca log in to a --nats server")
     try:
@@ -399,6 +411,7 @@ def cli(
             run_id=run_id,
             nats_url=nats,
             nats_auth=auth,
+            nats_host=nats_host or "127.0.0.1",
             run_dir=run_dir,
             overrides=overrides or (),
             max_steps=max_steps,
@@ -436,6 +449,7 @@ def cli(
         "overrides": list(overrides or ()),
         "max_steps": max_steps,
         "processes": processes,
+        "nats_host": nats_host,
         "ray": use_ray,
         "ray_address": ray_address,
     }

@@ -56,6 +56,7 @@ class Pipeline:
         name: str = "pipeline",
         nats_url: str | None = None,
         nats_auth: NatsAuth | None = None,
+        nats_host: str = "127.0.0.1",
         run_dir: Path | None = None,
         stream_max_msgs: int = 100_000,
         drain_timeout: float = 30.0,
@@ -67,7 +68,8 @@ class Pipeline:
         with each stage's state and the dispatcher's ledger (None: wait forever).
         ``replay``: keep a copy of these fan-out streams for late readers (replay writers).
         ``nats_auth``: how to log in to ``nats_url`` (the embedded server needs none: it gets
-        per-run credentials, see ``dora.bus.auth``)."""
+        per-run credentials, see ``dora.bus.auth``). ``nats_host``: where the embedded server
+        listens (loopback unless stages on other machines must reach it)."""
         if bus is not None and run_id is not None and bus.subjects.run != run_id:
             raise StageError(f"run_id {run_id!r} differs from the bus's {bus.subjects.run!r}")
         self.run_id = bus.subjects.run if bus is not None else (run_id or new_run_id(name))
@@ -75,6 +77,7 @@ class Pipeline:
         self.name = name
         self.nats_url = nats_url
         self.nats_auth = nats_auth
+        self.nats_host = nats_host
         self.credentials: RunCredentials | None = None
         """The embedded server's per-role credentials (None on an outside server)."""
         self._stage_buses: list[NatsBus] = []
@@ -167,7 +170,9 @@ class Pipeline:
             authorization = self.credentials.server_authorization(grants)
             # spawned on the loop's thread (it lives as long as the run), so the server's
             # parent-death signal fires only when the run's process dies
-            self._server = NatsServer(self.run_dir / "nats", authorization=authorization).spawn()
+            self._server = NatsServer(
+                self.run_dir / "nats", authorization=authorization, host=self.nats_host
+            ).spawn()
             await asyncio.to_thread(self._server.wait_ready)
             url = self._server.url
         limits = self.replay.limits if self.replay else None
