@@ -82,7 +82,10 @@ def test_stages_run_as_ray_actors_across_nodes_and_survive_node_and_process_loss
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     pipeline = engines_pinned(split_pipeline(tmp_path, STEPS))
     args = ["run", str(pipeline), "--run-dir", str(run_dir), "--ray", "--ray-address"]
-    proc = start([*args, cluster.address], log, env=LOOPBACK_DRIVER)
+    # the embedded server where the "nodes" reach it: another loopback address, so every
+    # actor's connection goes to the address given, not a default
+    args = [*args, cluster.address, "--nats-host", "127.0.0.2"]
+    proc = start(args, log, env=LOOPBACK_DRIVER)
     workers = {node.node_id: node for node in cluster.worker_nodes}
     try:
         wait_until(lambda: steps_done(run_dir) >= 2, "step 2", proc, log)
@@ -98,6 +101,7 @@ def test_stages_run_as_ray_actors_across_nodes_and_survive_node_and_process_loss
             proc,
             log,
         )
+        assert json.loads((run_dir / "run.json").read_text())["url"].startswith("nats://127.0.0.2:")
         moved = actors(run_dir)["generator-0"]["node_id"]
         assert moved in set(workers) - engine_nodes
         at = steps_done(run_dir)

@@ -343,14 +343,15 @@ class RayRun:
         for replica in serving:
             with contextlib.suppress(Exception):
                 replica.actor.drain.remote()
+        if serving:  # they drain side by side, within one grace period
+            await asyncio.wait([r.serving for r in serving if r.serving], timeout=grace)
         for replica in serving:
             assert replica.serving is not None
-            try:
-                await asyncio.wait_for(asyncio.shield(replica.serving), grace)
-            except TimeoutError:
+            if not replica.serving.done():
                 log.warning("stage_actor_killed", actor=replica.name, after_s=grace)
-            except Exception as exc:  # it failed while draining: the summary says so
-                log.warning("stage_actor_drain_failed", actor=replica.name, error=str(exc))
+            elif not replica.serving.cancelled() and replica.serving.exception() is not None:
+                error = _failure(replica.serving)  # it failed while draining: logged, no summary
+                log.warning("stage_actor_drain_failed", actor=replica.name, error=error)
         for replica in self.children:
             if replica.actor is not None:
                 with contextlib.suppress(Exception):
