@@ -197,9 +197,10 @@ class ScoredTrajectory(Event):
 
 
 class BlobRef(Model):
-    """Where a large binary lives (object store bucket/name, or a shared directory path)."""
+    """Where a large binary lives (object store bucket/name, a shared directory path, or the
+    learner's broadcast server ``HOST:PORT/<name>``)."""
 
-    store: Literal["objectstore", "directory", "inline"] = "objectstore"
+    store: Literal["objectstore", "directory", "inline", "broadcast"] = "objectstore"
     bucket: str = ""
     name: str
     size: int = Field(ge=0)

@@ -15,8 +15,12 @@ def test_from_dict_builds_nested_configs() -> None:
             "grpo": {"eps_high": 0.3, "aggregation": "seq-mean-token-mean"},
             "optim": {"lr": 1e-4, "betas": [0.9, 0.95], "schedule": "cosine"},
             "weight_dir": "/tmp/w",
+            "weight_store": "broadcast",
+            "weight_broadcast": {"host": "10.0.0.5", "port": 29600, "bucket_mb": 8},
         }
     )
+    assert cfg.weight_store == "broadcast" and cfg.weight_broadcast.port == 29600
+    assert cfg.weight_broadcast.host == "10.0.0.5" and cfg.weight_broadcast.bucket_mb == 8
     assert cfg.batch_groups == 4 and cfg.staleness_bound == 1
     assert cfg.grpo.eps_high == 0.3 and cfg.grpo.aggregation == "seq-mean-token-mean"
     assert cfg.optim.betas == (0.9, 0.95) and cfg.optim.schedule == "cosine"
@@ -30,6 +34,8 @@ def test_bad_fields_are_named() -> None:
         LearnerConfig(batch_groups=0)
     with pytest.raises(ValueError, match="schedule"):
         LearnerConfig.from_dict({"optim": {"schedule": "linear"}})
+    with pytest.raises(ValueError, match="bucket_mib"):
+        LearnerConfig.from_dict({"weight_broadcast": {"bucket_mib": 8}})
 
 
 def test_ack_pending_room_covers_held_messages() -> None:

@@ -39,6 +39,7 @@ BENCHMARKS: dict[str, str] = {
     "migrate": "dora.bench.migrate",
     "modes": "dora.bench.modes",
     "plan": "dora.bench.plan",
+    "weights": "dora.bench.weights",
 }
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dora.learner.broadcast import BroadcastConfig
 from dora.learner.grpo import GRPOConfig
 from dora.learner.trainer import OptimConfig
 
@@ -29,7 +30,12 @@ class LearnerConfig:
     keep_checkpoints: int | None = 3
     publish_initial: bool = True
     """On a fresh start, publish the initial weights as version 0."""
-    weight_store: Literal["objectstore", "directory"] = "objectstore"
+    weight_store: Literal["objectstore", "directory", "broadcast"] = "objectstore"
+    """How weights reach the engines: the NATS object store, a shared directory, or a
+    collective broadcast from the learner to the engines loading each version
+    (``dora.learner.broadcast``; held in the learner's memory, so not across its restart)."""
+    weight_broadcast: BroadcastConfig = field(default_factory=BroadcastConfig)
+    """``weight_store: broadcast``: where its rendezvous listens, bucket size, timeouts."""
     weight_dir: Path | None = None
     """Directory of the ``directory`` weight store (default: ``<run_dir>/weights``)."""
     keep_weight_versions: int | Literal["all"] | None = None
@@ -89,6 +95,8 @@ class LearnerConfig:
             value = data.get(name)
             if isinstance(value, dict):
                 data[name] = build_dataclass(sub, value, f"learner.{name}")
+        if isinstance(data.get("weight_broadcast"), dict):
+            data["weight_broadcast"] = BroadcastConfig.model_validate(data["weight_broadcast"])
         if isinstance(data.get("weight_dir"), str):
             data["weight_dir"] = Path(data["weight_dir"])
         return build_dataclass(cls, data, "learner")

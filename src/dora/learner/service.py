@@ -34,6 +34,7 @@ from dora.bus.base import Bus, ConsumerSpec, Message
 from dora.crashpoints import crash_point
 from dora.events import DeadLetter, Ledger, Metrics, ScoredTrajectory, WeightVersion
 from dora.learner.batching import Batch
+from dora.learner.broadcast import BroadcastServer, BroadcastTransport
 from dora.learner.config import LearnerConfig
 from dora.learner.core import LearnerCore
 from dora.learner.journal import JournalEntry
@@ -88,6 +89,9 @@ class LearnerService:
         if transport is None:
             if config.weight_store == "directory":
                 transport = DirectoryTransport(config.weight_dir or self.run_dir / "weights")
+            elif config.weight_store == "broadcast":
+                server = BroadcastServer(config.weight_broadcast)
+                transport = BroadcastTransport(server, config.weight_broadcast.timeout_s)
             else:
                 transport = ObjectStoreTransport(bus)
         self.publisher = WeightPublisher(bus, transport, config.weight_versions_kept)
@@ -291,7 +295,18 @@ class LearnerService:
         if entries is None:
             return False
         checkpoint_step = self.core.step
-        self.core.adopt(latest.version, await fetcher.fetch(latest), entries)
+        try:
+            state = await fetcher.fetch(latest)
+        except WeightError as exc:
+            if latest.blob.store != "broadcast":
+                raise
+            raise WeightError(
+                f"cannot resume past step {checkpoint_step}: version {latest.version} was "
+                "broadcast from the memory of the learner that stopped; resume needs a "
+                "checkpoint of every published step (checkpoint_every: 1) or a durable "
+                "weight_store (objectstore, directory)"
+            ) from exc
+        self.core.adopt(latest.version, state, entries)
         log.info("learner_fast_forwarded", checkpoint_step=checkpoint_step, version=latest.version)
         self._adopted = (latest, entries[-1]) if entries else None
         return True

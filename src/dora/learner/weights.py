@@ -8,8 +8,9 @@ directory), records the ``WeightVersion`` event in the KV store (``weights.v<N>`
 resumes from a checkpoint and republishes a version number writes a new blob, never changes
 one an engine is reading.
 
-``WeightTransport`` is the seam for faster transports: a GPU deployment implements ``put``
-as an NCCL broadcast (returning an ``inline`` ``BlobRef``) and ``get`` as the receive.
+``WeightTransport`` is the seam for faster transports: ``dora.learner.broadcast`` sends each
+version from the learner's memory to the engines loading it, over a gloo process group made
+for that wave of engines.
 """
 
 from __future__ import annotations
@@ -192,7 +193,12 @@ class WeightFetcher:
         device: str | torch.device = "cpu",
     ) -> None:
         self.bus = bus
-        self.transports: dict[str, WeightTransport] = {"objectstore": ObjectStoreTransport(bus)}
+        from dora.learner.broadcast import BroadcastTransport  # it builds on this module
+
+        self.transports: dict[str, WeightTransport] = {
+            "objectstore": ObjectStoreTransport(bus),
+            "broadcast": BroadcastTransport(),  # receives; the address is in each BlobRef
+        }
         self.transports.update(transports or {})
         self.transports.setdefault("directory", DirectoryTransport(Path(".")))
         self.device = device

@@ -198,6 +198,10 @@ class LearnerStage(Stage):
         if not self.task.done():
             self.stop_event.set()
             await asyncio.gather(self.task, return_exceptions=True)
+        service = getattr(self, "service", None)
+        close = getattr(service.publisher.transport, "close", None) if service else None
+        if close is not None:  # the broadcast server's thread and port
+            await asyncio.to_thread(close)
         if not self.task.cancelled() and self.task.exception() is None:
             await asyncio.to_thread(self._finish, ctx)
 
