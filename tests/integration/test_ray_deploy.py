@@ -25,7 +25,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.ray]
 
-STEPS = 8
+STEPS = 12
 LOOPBACK = {"node_ip_address": "127.0.0.1", "include_dashboard": False}
 LOOPBACK_DRIVER = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 """The driver joins a cluster whose every node is on 127.0.0.1: without this, Ray rewrites a
