@@ -114,7 +114,7 @@ class StageHost:
         await self._started.wait()
         return True
 
-    def report(self) -> dict[str, Any]:
+    async def report(self) -> dict[str, Any]:
         """Its counters (once started) and where it runs, for the driver's live view."""
         started = self._started.is_set() and self.pipeline is not None
         progress = self.pipeline.progress() if started and self.pipeline else {}
@@ -126,8 +126,9 @@ class StageHost:
 
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
-    def drain(self) -> None:
-        """Stop taking work, finish what is held, and let ``serve`` return."""
+    async def drain(self) -> None:
+        """Stop taking work, finish what is held, and let ``serve`` return (a coroutine, so
+        the event is set on the actor's event loop, never from another thread)."""
         self._stop.set()
 
 
