@@ -25,7 +25,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.ray]
 
-STEPS = 24
+STEPS = 30
 """Long enough that the lost engine is back on the spare node before the run ends (the
 other engine alone keeps the steps coming meanwhile)."""
 LOOPBACK = {"node_ip_address": "127.0.0.1", "include_dashboard": False}
@@ -38,10 +38,7 @@ loopback address to the machine's outward IP, where the cluster does not listen.
 def cluster() -> Iterator[Cluster]:
     """A head and three worker nodes with one ``engine`` each: two for the
     generators, one spare for an engine whose node goes away."""
-    fast = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}  # a lost node
-    c = Cluster(  # is declared dead in ~2 s, not Ray's default ~15 s
-        initialize_head=True, head_node_args={**LOOPBACK, "num_cpus": 2, "_system_config": fast}
-    )
+    c = Cluster(initialize_head=True, head_node_args={**LOOPBACK, "num_cpus": 2})
     for _ in range(3):
         c.add_node(**LOOPBACK, num_cpus=1, resources={"engine": 1})
     c.wait_for_nodes()
@@ -126,7 +123,7 @@ def test_stages_run_as_ray_actors_across_nodes_and_survive_node_and_process_loss
     check_invariants(run_dir, steps=STEPS)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["completed"] is True
-    assert summary["stages"]["generator"]["replicas"] >= 1  # a restarted one may overrun its drain
+    assert summary["stages"]["generator"]["replicas"] == 2  # the restarted one drained too
     assert set(summary["actors"]) == set(actors(run_dir))
     engines = {json.loads(line)["engine_id"] for line in (run_dir / "events/status.jsonl").open()}
     assert engines == {"engine-0", "engine-1"}

@@ -114,7 +114,7 @@ class StageHost:
         await self._started.wait()
         return True
 
-    async def report(self) -> dict[str, Any]:
+    def report(self) -> dict[str, Any]:
         """Its counters (once started) and where it runs, for the driver's live view."""
         started = self._started.is_set() and self.pipeline is not None
         progress = self.pipeline.progress() if started and self.pipeline else {}
