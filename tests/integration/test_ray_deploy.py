@@ -10,15 +10,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.integration.test_run_resume import check_invariants, children, gone, start
-from tests.integration.test_stage_processes import finish, split_pipeline, steps_done
+from tests.integration.test_stage_processes import finish, split_pipeline, steps_done, wait_until
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -66,16 +64,6 @@ def actors(run_dir: Path) -> dict[str, dict]:
         return json.loads((run_dir / "actors.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def wait_until(predicate, what: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 240
-    while not predicate():
-        assert proc.poll() is None, (
-            f"dora run exited ({proc.returncode}) waiting for {what}:\n" + (log.read_text()[-3000:])
-        )
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def test_stages_run_as_ray_actors_across_nodes_and_survive_node_and_process_loss(

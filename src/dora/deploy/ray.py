@@ -25,8 +25,8 @@ import structlog
 
 from dora.bus.auth import NatsAuth, stage_login
 from dora.files import write_atomically
-from dora.pipeline.core import Pipeline, PipelineError, folder_bytes
-from dora.pipeline.processes import add_replica
+from dora.pipeline.core import Pipeline, PipelineError
+from dora.pipeline.processes import add_replica, merged_summary
 from dora.pipeline.spec import StageEntry, read_pipeline_file
 
 log = structlog.get_logger(__name__)
@@ -410,26 +410,22 @@ class RayRun:
 
     def summary(self) -> dict[str, Any]:
         """The in-process summary's shape, merged from each replica's own summary."""
-        stages: dict[str, dict[str, Any]] = {}
+        reports = []
         for replica in self.children:
             future = replica.serving
             if future is None or not future.done() or future.exception() is not None:
                 continue
             info = future.result().get("stages", {}).get(replica.stage)
             if info is not None:
-                add_replica(stages, replica.stage, info)
-        end = self._finished_at or time.time()
-        return {
-            "pipeline": self.pipeline.name,
-            "run_id": self.pipeline.run_id,
-            "completed": self.completed,
-            "started_at": self._started_at,
-            "seconds": round(end - self._started_at, 3),
-            "run_dir_bytes": folder_bytes(self.pipeline.run_dir),
-            "left_in_streams": self.pipeline.left_in_streams,
-            "actors": {r.name: dict(r.where) for r in self.children},
-            "stages": stages,
-        }
+                reports.append((replica.stage, info))
+        return merged_summary(
+            self.pipeline,
+            reports,
+            completed=self.completed,
+            started_at=self._started_at,
+            finished_at=self._finished_at,
+            actors={r.name: dict(r.where) for r in self.children},
+        )
 
 
 def _failure(future: asyncio.Future[Any]) -> str:

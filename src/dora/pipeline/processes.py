@@ -313,26 +313,49 @@ class ProcessRun:
 
     def summary(self) -> dict[str, Any]:
         """The in-process summary's shape, merged from each process's own summary."""
-        stages: dict[str, dict[str, Any]] = {}
+        reports = []
         for child in self.children:
             path = summary_path(self.pipeline.run_dir, child.stage, child.replica)
             try:
-                info = json.loads(path.read_text())["stages"][child.stage]
+                reports.append((child.stage, json.loads(path.read_text())["stages"][child.stage]))
             except (OSError, ValueError, KeyError):
                 continue
-            add_replica(stages, child.stage, info)
-        end = self._finished_at or time.time()
-        return {
-            "pipeline": self.pipeline.name,
-            "run_id": self.pipeline.run_id,
-            "completed": self.completed,
-            "started_at": self._started_at,
-            "seconds": round(end - self._started_at, 3),
-            "run_dir_bytes": folder_bytes(self.pipeline.run_dir),
-            "left_in_streams": self.pipeline.left_in_streams,
-            "processes": {c.name: {"restarts": c.restarts} for c in self.children},
-            "stages": stages,
-        }
+        return merged_summary(
+            self.pipeline,
+            reports,
+            completed=self.completed,
+            started_at=self._started_at,
+            finished_at=self._finished_at,
+            processes={c.name: {"restarts": c.restarts} for c in self.children},
+        )
+
+
+def merged_summary(
+    pipeline: Pipeline,
+    reports: list[tuple[str, dict[str, Any]]],
+    *,
+    completed: bool,
+    started_at: float,
+    finished_at: float,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A run of separate stage replicas summarized in the in-process shape: ``reports`` are
+    (stage, that replica's own stage summary); ``extra``: the deployment's own table."""
+    stages: dict[str, dict[str, Any]] = {}
+    for stage, info in reports:
+        add_replica(stages, stage, info)
+    end = finished_at or time.time()
+    return {
+        "pipeline": pipeline.name,
+        "run_id": pipeline.run_id,
+        "completed": completed,
+        "started_at": started_at,
+        "seconds": round(end - started_at, 3),
+        "run_dir_bytes": folder_bytes(pipeline.run_dir),
+        "left_in_streams": pipeline.left_in_streams,
+        **extra,
+        "stages": stages,
+    }
 
 
 def add_replica(merged: dict[str, dict[str, Any]], stage: str, info: dict[str, Any]) -> None:
