@@ -330,6 +330,9 @@ class RayRun:
                             f"restarts: {_failure(future)}"
                         )
                     replica.finished = True
+                    final = future.result().get("stages", {}).get(replica.stage)
+                    if final is not None:  # the live view's last word on it, not a poll's
+                        replica.progress = {replica.stage: final}
                     log.info("stage_actor_finished", actor=replica.name)
                 self._record()
             self.completed = True
