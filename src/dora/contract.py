@@ -23,6 +23,8 @@ FAMILY_EVENTS: dict[str, type[events.Event]] = {
     "deadletter": events.DeadLetter,
     "migrations": events.MigrationRecord,
     "metrics": events.Metrics,
+    "env_steps": events.EnvStep,
+    "env_replies": events.EnvReply,
     "status": events.EngineStatus,
 }
 """The event type every message of a family is (``replay.<family>``: that family's type)."""
@@ -80,6 +82,18 @@ FAMILIES: tuple[FamilyContract, ...] = (
     FamilyContract("migrations", "MigrationRecord", "migrator", "recorder, report"),
     FamilyContract("metrics", "Metrics", "learner (one per step)", "dispatcher, recorder"),
     FamilyContract(
+        "env_steps",
+        "EnvStep",
+        "generators running episodes: resets on `env_steps.any`, later turns on the owner's",
+        "environment replicas (`env-any` shared, `env-<replica>` its own); any language",
+    ),
+    FamilyContract(
+        "env_replies",
+        "EnvReply",
+        "environment replicas, on `env_replies.<episode>` (one id per episode, attempt, turn)",
+        "generators (live), and the engine an episode migrated to (stored replies)",
+    ),
+    FamilyContract(
         "replay",
         "as the copied family",
         "replay writer, on `replay.trajectories` and `replay.scored`",
@@ -106,6 +120,8 @@ _CHILD = {
     "status": "<engine>",
     "control": "<engine>",
     "rpc": "<name>",
+    "env_steps": "<replica>|any",
+    "env_replies": "<episode>",
 }
 _RETENTION_TEXT = {
     "work": "work queue: removed once acked; one consumer per subject",

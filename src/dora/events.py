@@ -75,6 +75,12 @@ class SamplingParams(Model):
         "these (e.g. '</tool_call>'); the request then parks with its KV until the "
         "environment's reply is appended, instead of finishing.",
     )
+    park_on_stop: bool = Field(
+        default=False,
+        description="Multi-turn episodes: a stop (end-of-sequence, a stop token or string) "
+        "also parks the request, so the environment decides whether the episode ends; only "
+        "the length limit finishes it on its own.",
+    )
 
 
 class ResumeState(Model):
@@ -143,6 +149,27 @@ class Turn(Model):
     name: str = ""
 
 
+class EpisodeRecord(Model):
+    """What happened in a multi-turn episode with an environment (``dora.envs``)."""
+
+    environment: str
+    turns: int = Field(default=0, ge=0, description="Assistant turns the environment saw.")
+    reward: float | None = Field(
+        default=None, description="The environment's reward; None: the run's verifier scores."
+    )
+    turn_rewards: tuple[float | None, ...] = Field(
+        default=(), description="The reward the environment gave with each turn's reply."
+    )
+    turn_metrics: tuple[dict[str, float], ...] = Field(
+        default=(), description="Per-turn numbers (tool calls, parse errors, tool seconds)."
+    )
+    tool_calls: int = Field(default=0, ge=0)
+    tool_call_errors: int = Field(default=0, ge=0, description="Malformed or invalid calls.")
+    tool_seconds: float = Field(default=0.0, ge=0.0)
+    attempts: int = Field(default=1, ge=1, description="2: retried on a fresh environment.")
+    error: str = Field(default="", description="Why the episode failed; empty when it did not.")
+
+
 class Timings(Model):
     """Where a trajectory's time went (seconds since the epoch, or durations in seconds)."""
 
@@ -179,6 +206,9 @@ class Trajectory(Event):
     reprefilled_tokens: int = Field(default=0, ge=0, description="0 under dora.")
     timings: Timings = Field(default_factory=Timings)
     error: str = ""
+    episode: EpisodeRecord | None = Field(
+        default=None, description="Multi-turn episodes: the environment's record."
+    )
 
 
 class ScoredTrajectory(Event):
@@ -191,6 +221,64 @@ class ScoredTrajectory(Event):
     verifier: str = ""
     details: dict[str, str | int | float | bool] = Field(default_factory=dict)
     error: str = Field(default="", description="Verifier failure; reward is then 0.")
+
+
+# --------------------------------------------------------------------------- environments
+
+
+class ChatMessage(Model):
+    """One OpenAI-format chat message (``tool_call_id`` and ``name`` for tool results)."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = Field(max_length=1_000_000)
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class EnvStep(Event):
+    """Generator -> environment stage: start an episode (turn 0) or react to assistant turn
+    ``turn``. Idempotent per (episode, attempt, turn): a redelivered step gets the reply
+    already given and never runs a tool twice."""
+
+    kind: ClassVar[str] = "env_step"
+    episode_id: str = Field(min_length=1, max_length=256, description="The request id.")
+    attempt: int = Field(default=0, ge=0, description="1: retried on a fresh environment.")
+    turn: int = Field(ge=0, description="0: reset; k: the k-th assistant turn.")
+    environment: str = Field(min_length=1, max_length=128)
+    prompt: Prompt
+    seed: int = Field(default=0, ge=0, lt=2**63)
+    version: int = Field(ge=0, description="The policy version generating the episode.")
+    engine: str = ""
+    text: str = Field(default="", description="The assistant turn's text (turn > 0).")
+    truncated: bool = Field(
+        default=False,
+        description="The turn was cut off by the length limit: a call in it is never run, "
+        "and the episode ends after this step.",
+    )
+
+
+class EnvReply(Event):
+    """Environment stage -> the engine holding the episode: the reply to one step."""
+
+    kind: ClassVar[str] = "env_reply"
+    episode_id: str = Field(min_length=1, max_length=256)
+    attempt: int = Field(default=0, ge=0)
+    turn: int = Field(ge=0)
+    owner: str = Field(
+        min_length=1, max_length=128, description="The environment replica holding it."
+    )
+    messages: tuple[ChatMessage, ...] = Field(
+        default=(), description="Appended to the conversation (the opening ones at turn 0)."
+    )
+    done: bool = False
+    reward: float | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+    error: str = Field(default="", description="The environment failed: the episode ends.")
+    lost: bool = Field(
+        default=False,
+        description="The replica does not hold this episode (it restarted): retry it on a "
+        "fresh environment.",
+    )
 
 
 # --------------------------------------------------------------------------- weights
@@ -383,6 +471,13 @@ class KVSnapshot(Event):
     reprefilled_tokens: int = Field(
         default=0, ge=0, description="Tokens re-prefilled so far (preemption/resume)."
     )
+    appended: tuple[Turn, ...] = Field(
+        default=(), description="Multi-turn episodes: the completion spans the environment wrote."
+    )
+    turn_start: int = Field(default=0, ge=0, description="Where the current turn began.")
+    parked: bool = Field(
+        default=False, description="Exported at a turn boundary, waiting for its environment."
+    )
 
 
 class MigrationRecord(Event):
@@ -477,6 +572,8 @@ WIRE_TYPES: tuple[type[Event], ...] = (
     ReleaseExported,
     RestoreExported,
     ControlReply,
+    EnvStep,
+    EnvReply,
 )
 
 

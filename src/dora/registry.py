@@ -23,6 +23,7 @@ BUILTIN_STAGES: dict[str, str] = {
     "orchestrator": "dora.stages.orchestrator:OrchestratorStage",
     "learner": "dora.stages.learner:LearnerStage",
     "recorder": "dora.stages.recorder:RecorderStage",
+    "environment": "dora.stages.environment:EnvironmentStage",
 }
 _registered: dict[str, type[Stage] | Stage] = {}
 

@@ -6,10 +6,19 @@ streams (JetStream) are named after the subject family they capture.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def episode_token(episode_id: str) -> str:
+    """A NATS token naming an episode: its id when it is one, else a digest of it (request
+    ids such as ``g-1f2e/3`` hold a slash)."""
+    if _TOKEN.match(episode_id) and len(episode_id) <= 64:
+        return episode_id
+    return "e" + hashlib.blake2b(episode_id.encode(), digest_size=12).hexdigest()
 
 
 def _check_token(value: str, what: str) -> str:
@@ -66,6 +75,18 @@ class Subjects:
     @property
     def metrics(self) -> str:
         return f"{self.root}.metrics"
+
+    def env_steps(self, owner: str) -> str:
+        """Steps for one environment replica (``any``: whichever takes it, for a reset)."""
+        return f"{self.root}.env_steps.{_check_token(owner, 'environment replica')}"
+
+    def env_replies(self, episode_id: str) -> str:
+        """The replies of one episode, kept so an engine it migrated to can read them."""
+        return f"{self.root}.env_replies.{episode_token(episode_id)}"
+
+    @property
+    def env_replies_all(self) -> str:
+        return f"{self.root}.env_replies.*"
 
     def replay(self, family: str) -> str:
         """Where the replay writer keeps a copy of ``family`` for late readers."""
@@ -134,6 +155,8 @@ DURABLE_FAMILIES = (
     "deadletter",
     "migrations",
     "metrics",
+    "env_steps",
+    "env_replies",
     "replay",
 )
 """Families that JetStream persists; the rest (status, control, rpc) are live core subjects."""
@@ -141,7 +164,15 @@ DURABLE_FAMILIES = (
 LIVE_FAMILIES = ("status", "control", "rpc")
 """Core-NATS families: not stored, seen only while subscribed."""
 
-FAMILIES_WITH_CHILDREN = ("requests", "status", "control", "rpc", "replay")
+FAMILIES_WITH_CHILDREN = (
+    "requests",
+    "status",
+    "control",
+    "rpc",
+    "env_steps",
+    "env_replies",
+    "replay",
+)
 """Families whose subjects carry one more token (a version, an engine, an rpc name)."""
 
 

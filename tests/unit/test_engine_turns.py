@@ -95,8 +95,6 @@ def test_a_parked_episode_holds_its_kv_and_its_version() -> None:
     assert used > 0  # its KV stays resident
     with pytest.raises(EngineError, match="holds 1 request"):
         engine.load_weights(1, engine.model.state_dict())
-    with pytest.raises(EngineError, match="not movable yet"):
-        engine.export_request("ep")
     with pytest.raises(EngineError, match="not a token id"):
         engine.append("ep", [10**6])
     with pytest.raises(EngineError, match="does not fit in the context"):
@@ -117,3 +115,43 @@ def test_a_single_turn_request_is_unchanged() -> None:
         out += engine2.step()
     assert out[0].turns == () and out[0].loss_mask == (1,) * len(out[0].completion_token_ids)
     assert engine2.take_turn_ends() == []
+
+
+def test_a_parked_episode_moves_with_its_kv_and_stays_parked() -> None:
+    """Export at a turn boundary, import elsewhere: still parked there, the reply is appended
+    on the target with only it (and the turn's last token) computed, and a failed move
+    restores it parked on the source."""
+    source, target = make_engine("src"), make_engine("dst")
+    source.add_request(
+        make_request("ep", max_tokens=200, temperature=1.0, seed=7, turn_stop_strings=TURN_END)
+    )
+    first = engine_turn(source)
+    reply = source.tokenizer.encode("<r>1</r>", add_bos=False)
+    source.append("ep", reply)
+    engine_turn(source)  # parked again, now with one reply in its history
+    assert source.episode_state("ep")[1:] == (True, 1)
+    snapshot = source.export_request("ep")
+    source.restore_exported("ep")  # a failed move: parked again on the source
+    assert source.episode_state("ep")[1:] == (True, 1) and not source.has_work()
+    snapshot = source.export_request("ep")
+    target.import_request(snapshot)
+    source.release_exported("ep")
+    assert target.episode_state("ep")[1:] == (True, 1) and not target.has_work()
+    before = target.counters.prefill_tokens
+    second = target.tokenizer.encode("<r>2</r>", add_bos=False)
+    target.append("ep", second)
+    end = engine_turn(target)
+    assert target.counters.prefill_tokens - before == len(second) + 1
+    traj = target.end_episode(end.request_id)
+    assert traj.engines == ("src", "dst") and traj.reprefilled_tokens == 0
+    assert [t.role for t in traj.turns] == ["assistant", "tool"] * 2 + ["assistant"]
+    assert traj.completion_token_ids[: len(first.token_ids)] == first.token_ids
+
+
+def engine_turn(engine: TorchEngine):
+    """Step until the one request parks; its turn end."""
+    while True:
+        engine.step()
+        ends = engine.take_turn_ends()
+        if ends:
+            return ends[0]

@@ -77,6 +77,7 @@ RETENTION: dict[str, Retention] = {
     "requests": "work",
     "trajectories": "interest",
     "scored": "interest",
+    "env_steps": "work",
 }
 """Retention of each durable family; any other keeps ``limits``."""
 

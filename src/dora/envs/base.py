@@ -12,22 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict
-
-from dora.events import Prompt
+from dora.events import ChatMessage, Prompt
 
 Role = Literal["system", "user", "assistant", "tool"]
-
-
-class ChatMessage(BaseModel):
-    """One OpenAI-format chat message (``tool_call_id`` and ``name`` for tool results)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    role: Role
-    content: str
-    name: str | None = None
-    tool_call_id: str | None = None
+__all__ = ["AssistantTurn", "ChatMessage", "Environment", "Role", "StepResult"]
 
 
 @dataclass(frozen=True)

@@ -24,14 +24,16 @@ import structlog
 from pydantic import TypeAdapter, ValidationError
 
 from dora.aio import cancel_all
-from dora.bus import Bus, Message
+from dora.bus import Bus, Message, Subscription
 from dora.engines.base import Engine, EngineError
+from dora.envs.chat import check_append_only
 from dora.events import (
     AssignVersion,
     ControlCommand,
     ControlReply,
     Drain,
     EngineStatus,
+    EnvReply,
     ExportRequest,
     ImportRequest,
     Prioritize,
@@ -40,6 +42,7 @@ from dora.events import (
     RolloutRequest,
     Trajectory,
 )
+from dora.rollout.episodes import EpisodeConfig, Episodes
 from dora.rollout.generator_config import (
     GeneratorConfig,
     WeightSource,
@@ -74,6 +77,24 @@ class Generator:
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
         self._log = log.bind(engine=config.engine_id)
+        self.episodes = None if config.episodes is None else self._episodes(config.episodes)
+
+    def _episodes(self, config: EpisodeConfig) -> Episodes:
+        """Multi-turn episodes need an engine that parks turns and a chat format that never
+        re-tokenizes history (checked here: the generator refuses to start otherwise)."""
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        if tokenizer is None or not hasattr(self.engine, "append"):
+            raise EngineError(f"engine {self.config.engine_id} cannot run multi-turn episodes")
+        check_append_only(config.chat, tokenizer.encode)
+        return Episodes(
+            config,
+            self.core,
+            self.bus,
+            lambda text, bos: tokenizer.encode(text, add_bos=bos),
+            tokenizer.decode,
+            self._store,
+            self._wake.set,
+        )
 
     @property
     def state(self) -> str:
@@ -95,19 +116,28 @@ class Generator:
     async def run(self) -> None:
         """Serve until stopped; held requests are handed back (redelivered) on the way out."""
         control = await self.bus.serve(self.subjects.control(self.config.engine_id), self._control)
-        self.ready.set()
         tasks = [
             asyncio.create_task(self._report_status()),
             asyncio.create_task(self._heartbeat()),
             asyncio.create_task(self._pull_loop()),
             asyncio.create_task(self._release_loop()),
         ]
+        if self.episodes is not None:
+            replies = await self.bus.subscribe(self.subjects.env_replies_all)
+            tasks += [
+                asyncio.create_task(self._replies_loop(replies, self.episodes)),
+                asyncio.create_task(self._episode_clock(self.episodes)),
+            ]
+        self.ready.set()
         try:
             while not self._stop.is_set():
                 await self._maybe_load_weights()
                 if await self.core.has_work():
                     for trajectory in await self.core.step():
                         await self._finish(trajectory)
+                    if self.episodes is not None:
+                        ends = await self.core.call(self.engine.take_turn_ends)  # type: ignore[attr-defined]
+                        await self.episodes.turn_ends(ends)
                 else:
                     await self._idle_wait()
         finally:
@@ -137,6 +167,12 @@ class Generator:
             self._log.info("weights_loaded", version=target, seconds=time.monotonic() - started)
 
     async def _finish(self, trajectory: Trajectory) -> None:
+        if self.episodes is not None and await self.episodes.finished(trajectory):
+            return  # its environment sees the last turn first
+        await self._store(trajectory)
+
+    async def _store(self, trajectory: Trajectory) -> None:
+        """Publish the trajectory, then ack its request (a crash between: redelivery)."""
         request_id = trajectory.request.request_id
         event = trajectory.model_copy(update={"event_id": trajectory_event_id(request_id)})
         await self.bus.publish_event(self.subjects.trajectories, event)
@@ -203,7 +239,10 @@ class Generator:
             await self._dead_letter(msg, reason)
             return
         try:
-            admitted = await self.core.admit(request, msg, version, queue)
+            if self.episodes is not None:
+                admitted = await self.episodes.open(request, msg, version, queue)
+            else:
+                admitted = await self.core.admit(request, msg, version, queue)
         except EngineError as exc:
             await self._dead_letter(msg, f"{type(exc).__name__}: {exc}")
             return
@@ -273,12 +312,18 @@ class Generator:
                 return ControlReply(ok=True, blob=blob, lease=lease, kv_bytes=len(snapshot))
             case ImportRequest(blob=blob, lease=lease):
                 snapshot = await self.bus.get_blob(blob.name)
-                await core.import_(snapshot, self.bus.lease(lease))
+                rid = await core.import_(snapshot, self.bus.lease(lease))
+                if self.episodes is not None:
+                    await self.episodes.adopt(rid)
                 return ControlReply(ok=True, kv_bytes=len(snapshot))
             case ReleaseExported(request_id=rid):
                 await core.release_exported(rid)
+                if self.episodes is not None:
+                    self.episodes.forget(rid)
             case RestoreExported(request_id=rid):
                 await core.restore_exported(rid)
+                if self.episodes is not None:
+                    await self.episodes.catch_up(rid)
             case _:
                 return ControlReply(ok=False, error=f"unsupported command {type(command).__name__}")
         return ControlReply(ok=True)
@@ -303,4 +348,20 @@ class Generator:
                 await lease.in_progress()
             for rid in await self.core.reclaim_stale_exports():
                 self._log.warning("stale_export_restored", request=rid)
+                if self.episodes is not None:
+                    await self.episodes.catch_up(rid)
                 self._wake.set()
+
+    # ------------------------------------------------------------------ episodes
+
+    async def _replies_loop(self, replies: Subscription, episodes: Episodes) -> None:
+        """Every environment reply, live: the episodes held here act on theirs."""
+        async for msg in replies:
+            reply, _ = parse_event(EnvReply, msg.data)
+            if reply is not None:  # a malformed one is the environment stage's to answer for
+                await episodes.reply(reply)
+
+    async def _episode_clock(self, episodes: Episodes) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, episodes.config.reply_timeout_s / 4))
+            await episodes.check_deadlines()

@@ -9,10 +9,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from dora.bus import ConsumerSpec
 from dora.subjects import Subjects
+
+if TYPE_CHECKING:
+    from dora.rollout.episodes import EpisodeConfig
 
 WeightSource = Callable[[int], Awaitable[Mapping[str, Any] | Path]]
 """Returns the weights of a version (state dict or checkpoint dir), verified."""
@@ -65,6 +68,8 @@ class GeneratorConfig:
     queue_ack_wait_s: float = QUEUE_ACK_WAIT_S
     """Used when this generator is the first to create its version's queue consumer."""
     initial_version: int | None = None
+    episodes: EpisodeConfig | None = None
+    """Every request is a multi-turn episode in this environment (``dora.rollout.episodes``)."""
 
 
 @dataclass

@@ -64,6 +64,9 @@ class GeneratorCore:
         self.resumes: list[RolloutRequest] = []
         """Partial rollout: requests interrupted by an update, re-added first after the load
         (their leases stay in ``held``)."""
+        self.opening: dict[str, Held] = {}
+        """Multi-turn episodes pulled but waiting for their environment's opening messages
+        (not in the engine yet): they take room, keep their leases, and hold back a load."""
         self.backlog: set[int] = set()
         """Partial rollout: older versions whose queues are served before the assigned one."""
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{config.engine_id}")
@@ -76,7 +79,9 @@ class GeneratorCore:
         """Stop the engine thread; the leases of every request not exported, to hand back."""
         self._pool.shutdown(wait=True)
         leases = [h.lease for h in self.held.values() if not h.exported]
+        leases += [h.lease for h in self.opening.values()]
         self.held.clear()
+        self.opening.clear()
         return leases
 
     # ------------------------------------------------------------------ what to pull
@@ -90,7 +95,7 @@ class GeneratorCore:
         """How many more requests to pull now (0 while loading, draining or full)."""
         if self.assigned is None or not self.serving:
             return 0
-        return max(self.config.max_running - len(self.held), 0)
+        return max(self.config.max_running - len(self.held) - len(self.opening), 0)
 
     async def admit(
         self, request: RolloutRequest, lease: Message, version: int, queue: int | None = None
@@ -153,7 +158,7 @@ class GeneratorCore:
             if target is not None and self.state in ("idle", "loading"):
                 self.state = "draining" if self.draining else "serving"
             return None
-        if await self.call(self.engine.num_requests) > 0:
+        if self.opening or await self.call(self.engine.num_requests) > 0:
             return None
         self.state = "loading"
         return target
@@ -252,12 +257,14 @@ class GeneratorCore:
         held.exported_at = time.monotonic()
         return snapshot, held.lease.ack_token
 
-    async def import_(self, snapshot: bytes, lease: Message) -> None:
+    async def import_(self, snapshot: bytes, lease: Message) -> str:
+        """Continue a migrated request here; its id."""
         if self.draining or self.assigned != self.engine.version:
             raise EngineError(f"engine {self.config.engine_id} is not serving; cannot import")
         request_id = await self.call(self.engine.import_request, snapshot)
         self.held[request_id] = Held(lease)
         self.stats.imported += 1
+        return request_id
 
     async def release_exported(self, request_id: str) -> None:
         """The target imported it: forget it here (its lease now lives there)."""
@@ -302,4 +309,4 @@ class GeneratorCore:
 
     def leases(self) -> list[Message]:
         """Every lease held (exported ones too: the migration may still fail back here)."""
-        return [h.lease for h in self.held.values()]
+        return [h.lease for h in (*self.held.values(), *self.opening.values())]

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from dora.rollout.episodes import EpisodeConfig
 from dora.rollout.generator_config import RolloutMode
 from dora.stage import Context
 from dora.stages.model_source import ModelSource
@@ -49,6 +50,11 @@ class GeneratorStageConfig(BaseModel):
     status_interval_s: float = Field(
         default=0.5, gt=0, description="How often each engine publishes its status."
     )
+    episodes: EpisodeConfig | None = Field(
+        default=None,
+        description="Every request is a multi-turn episode in this environment (served by "
+        "an environment stage).",
+    )
     export_timeout_s: float = Field(
         default=120.0,
         gt=0,
@@ -72,7 +78,7 @@ class GeneratorStage(ServiceStage):
     hosts_replicas = True
     # trajectories, its status, migration records (the import side); replies to control
     # requests go to the caller's inbox
-    publishes = ("trajectories", "status", "migrations")
+    publishes = ("trajectories", "status", "migrations", "env_steps")
 
     async def setup(self, ctx: Context) -> None:
         import torch
@@ -104,6 +110,7 @@ class GeneratorStage(ServiceStage):
                     export_timeout_s=cfg.export_timeout_s,
                     status_interval_s=cfg.status_interval_s,
                     initial_version=0,
+                    episodes=cfg.episodes,
                 ),
             )
             self.generators.append(generator)

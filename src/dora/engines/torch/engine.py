@@ -248,7 +248,9 @@ class TorchEngine:
             if not seq.first_token_at:
                 seq.first_token_at = now
             reason = finish_reason(seq, self.eos_token_id, self.max_model_len, self.tokenizer)
-            if reason is not None:
+            if reason == "stop" and seq.request.sampling.park_on_stop:
+                self._park(seq)  # the environment decides whether the episode ends
+            elif reason is not None:
                 finished.append(self._finish(seq, reason, now))
             elif turn_ended(seq, self.tokenizer):
                 self._park(seq)
@@ -359,10 +361,9 @@ class TorchEngine:
         seq = self._get(request_id)
         if seq.status is SeqStatus.EXPORTED:
             raise EngineError(f"request {request_id} is already exported")
-        if seq.status is SeqStatus.PARKED or seq.appended:
-            raise EngineError(f"request {request_id} is a multi-turn episode: not movable yet")
         data = export_sequence(self, seq)
         self.scheduler.remove(seq)
+        seq.parked_before_export = seq.status is SeqStatus.PARKED
         seq.status = SeqStatus.EXPORTED
         self._exported[request_id] = seq
         self.counters.exported += 1
@@ -381,20 +382,30 @@ class TorchEngine:
         seq = self._exported.pop(request_id, None)
         if seq is None:
             raise EngineError(f"request {request_id!r} is not exported from {self.engine_id}")
-        if seq.num_computed:
+        self._resume(seq, parked=seq.parked_before_export)
+
+    def _resume(self, seq: Sequence, parked: bool) -> None:
+        """Schedule a restored or imported sequence; one parked at a turn boundary stays
+        parked (its environment's reply is what it waits for)."""
+        if parked:
+            seq.status = SeqStatus.PARKED
+        elif seq.num_computed:
             self.scheduler.add_running(seq)
         else:
             self.scheduler.add(seq)
+
+    def episode_state(self, request_id: str) -> tuple[RolloutRequest, bool, int]:
+        """A multi-turn request as held here: its request, whether it is parked waiting for
+        its environment, and how many environment replies it holds."""
+        seq = self._get(request_id)
+        return seq.request, seq.status is SeqStatus.PARKED, len(seq.appended)
 
     def import_request(self, snapshot: bytes) -> str:
         from dora.engines.torch.migration import import_sequence
 
-        seq = import_sequence(self, snapshot)
+        seq, parked = import_sequence(self, snapshot)
         self._seqs[seq.request_id] = seq
-        if seq.num_computed:
-            self.scheduler.add_running(seq)
-        else:
-            self.scheduler.add(seq)
+        self._resume(seq, parked)
         self.counters.imported += 1
         return seq.request_id
 

@@ -20,8 +20,8 @@ from dora.engines.snapshot import (
     tensor_bytes,
 )
 from dora.engines.torch.admission import check_ids
-from dora.engines.torch.sequence import Sequence
-from dora.events import KVSnapshot, Migration
+from dora.engines.torch.sequence import SeqStatus, Sequence
+from dora.events import KVSnapshot, Migration, Turn
 
 if TYPE_CHECKING:
     from dora.engines.torch.engine import TorchEngine
@@ -53,6 +53,12 @@ def export_sequence(engine: TorchEngine, seq: Sequence) -> bytes:
         first_token_at=seq.first_token_at,
         kv_bytes=len(payload),
         reprefilled_tokens=seq.reprefilled,
+        appended=tuple(
+            Turn(role=role, start=start, end=end)  # type: ignore[arg-type]
+            for start, end, role in seq.appended
+        ),
+        turn_start=seq.turn_start,
+        parked=seq.status is SeqStatus.PARKED,
     )
     return encode_snapshot(header, payload)
 
@@ -84,8 +90,10 @@ def _check_compatible(engine: TorchEngine, h: KVSnapshot) -> None:
         )
 
 
-def import_sequence(engine: TorchEngine, data: bytes) -> Sequence:
-    """A sequence rebuilt from snapshot bytes with its KV scattered into fresh blocks."""
+def import_sequence(engine: TorchEngine, data: bytes) -> tuple[Sequence, bool]:
+    """A sequence rebuilt from snapshot bytes with its KV scattered into fresh blocks, and
+    whether it was parked at a turn boundary (a multi-turn episode waiting for its
+    environment: it stays parked here)."""
     h, payload = decode_snapshot(data)
     _check_compatible(engine, h)
     req = h.request
@@ -100,6 +108,11 @@ def import_sequence(engine: TorchEngine, data: bytes) -> Sequence:
     total = len(prompt) + len(completion)
     if not prompt or len(h.logprobs) != len(completion):
         raise SnapshotError(f"snapshot of {rid}: empty prompt or logprobs/tokens length differ")
+    spans = [(t.start, t.end, t.role) for t in h.appended]
+    if any(not 0 <= a < b <= len(completion) for a, b, _ in spans) or h.turn_start > len(
+        completion
+    ):
+        raise SnapshotError(f"snapshot of {rid}: episode spans outside its completion")
     if h.num_cached_tokens > total or engine.blocks.blocks_needed(h.num_cached_tokens) != (
         h.num_blocks
     ):
@@ -133,7 +146,7 @@ def import_sequence(engine: TorchEngine, data: bytes) -> Sequence:
         kv_bytes=len(payload),
         seconds=max(0.0, time.time() - h.created_at),
     )
-    return Sequence(
+    seq = Sequence(
         request=req,
         token_ids=prompt + completion,
         num_prompt=len(prompt),
@@ -150,4 +163,7 @@ def import_sequence(engine: TorchEngine, data: bytes) -> Sequence:
         migrations=[*h.migrations, migration],
         started_at=h.started_at,
         first_token_at=h.first_token_at,
+        appended=spans,
+        turn_start=h.turn_start,
     )
+    return seq, h.parked

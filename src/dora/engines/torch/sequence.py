@@ -52,6 +52,8 @@ class Sequence:
     masked out of the loss (multi-turn episodes)."""
     turn_start: int = 0
     """Completion index where the current assistant turn began."""
+    parked_before_export: bool = False
+    """Exported at a turn boundary: a restore parks it again."""
     engines: list[str] = field(default_factory=list)
     migrations: list[Migration] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrival))

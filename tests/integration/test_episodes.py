@@ -1,0 +1,191 @@
+"""Multi-turn episodes on a real nats-server: generators with the built-in engine drive
+episodes through an environment service; a parked episode migrates with its KV."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from dora.bus import ConsumerSpec, NatsBus
+from dora.engines.torch import TorchEngine
+from dora.envs import AssistantTurn, ChatMessage, StepResult
+from dora.envs.chat import ChatFormat
+from dora.envs.host import EnvironmentHost
+from dora.envs.service import EnvironmentService
+from dora.events import (
+    AssignVersion,
+    Drain,
+    Migrate,
+    Prompt,
+    RolloutRequest,
+    SamplingParams,
+    Trajectory,
+)
+from dora.rollout.episodes import EpisodeConfig
+from dora.rollout.generator import Generator
+from dora.rollout.generator_config import GeneratorConfig
+from dora.rollout.migrator import Migrator
+from tests.integration.test_generator import bus2, collect, no_weights, running, until
+from tests.unit.test_engine_support import make_engine
+
+pytestmark = pytest.mark.nats
+__all__ = ["bus2"]
+
+TURN_END = tuple("etaoinshrdlu#%&?!=:;")  # the random tiny model writes one within a few tokens
+CHAT = ChatFormat()
+
+
+class Scripted:
+    """Replies ``<r>k</r>`` to the first ``turns - 1`` turns, then ends with reward ``turns``.
+    ``gate``: each step waits for it (a slow tool)."""
+
+    def __init__(self, turns: int = 3, gate: asyncio.Event | None = None) -> None:
+        self.turns, self.gate, self.seen = turns, gate, 0
+
+    async def reset(self, prompt: Prompt, seed: int) -> list[ChatMessage]:
+        return [ChatMessage(role="user", content=f"{prompt.text} (seed {seed})")]
+
+    async def step(self, turn: AssistantTurn) -> StepResult:
+        if self.gate is not None:
+            await self.gate.wait()
+        self.seen += 1
+        if self.seen >= self.turns:
+            return StepResult(done=True, reward=float(self.seen), metrics={"tool_calls": 0.0})
+        return StepResult(
+            messages=[ChatMessage(role="tool", content=f"<r>{self.seen}</r>")],
+            reward=0.5,
+            metrics={"tool_calls": 1.0, "tool_seconds": 0.25},
+        )
+
+    async def close(self) -> None:
+        return None
+
+
+@contextlib.asynccontextmanager
+async def environment(bus: NatsBus, make: Any, owner: str = "env-0") -> AsyncIterator[Any]:
+    host = EnvironmentHost(owner, "scripted", make)
+    service = EnvironmentService(host, bus)
+    task = asyncio.create_task(service.run())
+    await service.ready.wait()
+    try:
+        yield host
+    finally:
+        service.stop()
+        await task
+
+
+def episodic(bus: NatsBus, engine: TorchEngine, **config: Any) -> Generator:
+    episodes = EpisodeConfig(environment="scripted", turn_stop_strings=TURN_END, **config)
+    return Generator(
+        engine,
+        bus,
+        no_weights,
+        GeneratorConfig(engine_id=engine.engine_id, initial_version=0, episodes=episodes),
+    )
+
+
+def request(i: int, max_tokens: int = 200) -> RolloutRequest:
+    return RolloutRequest(
+        request_id=f"g-{i}/0",
+        prompt=Prompt(prompt_id=f"p{i}", text=f"Problem {i}:"),
+        group_id=f"g-{i}",
+        group_index=0,
+        version=0,
+        sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i),
+    )
+
+
+def check_concatenation(traj: Trajectory, engine: TorchEngine, replies: list[str]) -> None:
+    """prompt = the rendered opening; completion = turn, reply, turn, reply, ..., turn; the
+    mask 1 exactly on the sampled tokens."""
+    tok = engine.tokenizer
+    opening = CHAT.render(
+        [
+            ChatMessage(
+                role="user",
+                content=f"{traj.request.prompt.text} (seed {traj.request.sampling.seed})",
+            )
+        ]
+    )
+    assert list(traj.prompt_token_ids) == tok.encode(opening, add_bos=True)
+    roles = [t.role for t in traj.turns]
+    assert roles == ["assistant", "tool"] * len(replies) + ["assistant"]
+    ids = traj.completion_token_ids
+    tool_spans = [t for t in traj.turns if t.role == "tool"]
+    for span, reply in zip(tool_spans, replies, strict=True):
+        assert list(ids[span.start : span.end]) == tok.encode(
+            CHAT.render([ChatMessage(role="tool", content=reply)]), add_bos=False
+        )
+    for span in traj.turns:
+        want = 1 if span.role == "assistant" else 0
+        assert set(traj.loss_mask[span.start : span.end]) == {want}
+    assistant = "".join(
+        tok.decode(list(ids[t.start : t.end])) for t in traj.turns if t.role == "assistant"
+    )
+    assert traj.text == assistant  # verifiers read the model's turns only
+
+
+async def test_episodes_run_turn_by_turn_without_reprefilling(nats_bus: NatsBus) -> None:
+    await nats_bus.consumer(ConsumerSpec("audit", nats_bus.subjects.trajectories))
+    engine = make_engine("engine-0")
+    gen = episodic(nats_bus, engine)
+    for i in range(4):
+        await nats_bus.publish_event(nats_bus.subjects.requests(0), request(i))
+    async with environment(nats_bus, lambda: Scripted(turns=3)), running(gen):
+        got = await collect(nats_bus, 4, timeout=60)
+    assert len({t.request.request_id for t in got}) == 4
+    prefilled = 0
+    for traj in got:
+        assert traj.finish_reason == "stop" and traj.reprefilled_tokens == 0
+        check_concatenation(traj, engine, ["<r>1</r>", "<r>2</r>"])
+        record = traj.episode
+        assert record is not None and record.error == "" and record.attempts == 1
+        assert record.turns == 3 and record.reward == 3.0  # the environment's reward passes
+        assert record.turn_rewards == (0.5, 0.5, 3.0) and record.tool_calls == 2
+        prefilled += len(traj.prompt_token_ids) + sum(
+            t.end - t.start + 1 for t in traj.turns if t.role == "tool"
+        )
+    # each reply (and the turn's last sampled token) is prefilled once; earlier turns never
+    assert engine.counters.prefill_tokens == prefilled
+
+
+async def test_a_parked_episode_migrates_and_its_reply_reaches_the_new_engine(
+    nats_bus: NatsBus, bus2: NatsBus
+) -> None:
+    await nats_bus.consumer(ConsumerSpec("audit", nats_bus.subjects.trajectories))
+    source_engine, target_engine = make_engine("src"), make_engine("dst")
+    source, target = episodic(nats_bus, source_engine), episodic(bus2, target_engine)
+    gate = asyncio.Event()
+    await nats_bus.publish_event(nats_bus.subjects.requests(0), request(7))
+    scripted = environment(nats_bus, lambda: Scripted(turns=2, gate=gate))
+    async with scripted as host, running(source):
+        # parked at the end of turn 1, its tool call waiting on the gate
+        await until(lambda: host.live and source_engine.num_requests() == 1, 30)
+        await until(lambda: source_engine.episode_state("g-7/0")[1], 30)
+        async with running(target):
+            for command in (Drain(engine_id="dst"), AssignVersion(engine_id="dst", version=0)):
+                await nats_bus.request(
+                    nats_bus.subjects.control("dst"), command.model_dump_json().encode()
+                )
+            prefill_before = target_engine.counters.prefill_tokens
+            outcomes = await Migrator(nats_bus).execute(
+                Migrate(source="src", target="dst", version=0, request_ids=("g-7/0",))
+            )
+            assert [o.ok for o in outcomes] == [True]
+            assert source_engine.num_requests() == 0
+            gate.set()  # the tool answers; its reply must find the episode on dst
+            (traj,) = await collect(nats_bus, 1, timeout=60)
+    assert traj.engines == ("src", "dst") and traj.version == 0
+    assert [(m.source, m.target) for m in traj.migrations] == [("src", "dst")]
+    assert traj.reprefilled_tokens == 0
+    check_concatenation(traj, target_engine, ["<r>1</r>"])
+    (reply_span,) = [t for t in traj.turns if t.role == "tool"]
+    # the target computed only the reply and the turn's last token, never the history
+    assert target_engine.counters.prefill_tokens - prefill_before == (
+        reply_span.end - reply_span.start + 1
+    )
+    assert traj.episode is not None and traj.episode.reward == 2.0
