@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from dora.bus import ConsumerSpec, NatsBus
+from dora.bus.server import NatsServer
 from dora.engines.torch import TorchEngine
 from dora.envs import AssistantTurn, ChatMessage, StepResult
 from dora.envs.chat import ChatFormat
@@ -29,6 +33,7 @@ from dora.rollout.episodes import EpisodeConfig
 from dora.rollout.generator import Generator
 from dora.rollout.generator_config import GeneratorConfig
 from dora.rollout.migrator import Migrator
+from dora.subjects import Subjects
 from tests.integration.test_generator import bus2, collect, no_weights, running, until
 from tests.unit.test_engine_support import make_engine
 
@@ -189,3 +194,80 @@ async def test_a_parked_episode_migrates_and_its_reply_reaches_the_new_engine(
         reply_span.end - reply_span.start + 1
     )
     assert traj.episode is not None and traj.episode.reward == 2.0
+
+
+class Broken:
+    """Starts, then fails at every step."""
+
+    async def reset(self, prompt: Prompt, seed: int) -> list[ChatMessage]:
+        return [ChatMessage(role="user", content=prompt.text)]
+
+    async def step(self, turn: AssistantTurn) -> StepResult:
+        raise RuntimeError("the database is gone")
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_a_failing_environment_is_retried_once_then_the_trajectory_says_why(
+    nats_bus: NatsBus,
+) -> None:
+    await nats_bus.consumer(ConsumerSpec("audit", nats_bus.subjects.trajectories))
+    gen = episodic(nats_bus, make_engine("engine-0"))
+    for i in range(3):
+        await nats_bus.publish_event(nats_bus.subjects.requests(0), request(i))
+    async with environment(nats_bus, Broken) as host, running(gen):
+        got = await collect(nats_bus, 3, timeout=60)
+    assert host.stats.episodes == 6  # each episode: the first attempt and one retry
+    for traj in got:
+        assert traj.finish_reason == "error" and "the database is gone" in traj.error
+        assert traj.episode is not None and traj.episode.attempts == 2
+        assert traj.episode.reward is None and "the database is gone" in traj.episode.error
+        assert set(traj.loss_mask) <= {0}  # nothing of a failed episode is trained on
+    assert gen.episodes is not None and gen.episodes.stats.retried == 3
+    assert gen.episodes.stats.failed == 3 and gen.episodes.live == {}
+
+
+def start_worker(url: str, run: str, owner: str, delay_s: float) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.env_worker", url, run, owner, str(delay_s)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+async def test_an_environment_killed_mid_episode_loses_no_request(
+    nats_bus: NatsBus, nats_server: NatsServer, subjects: Subjects
+) -> None:
+    """SIGKILL the replica that owns every episode while they wait on its slow tool: each
+    request still ends as exactly one trajectory, retried on a fresh environment elsewhere."""
+    await nats_bus.consumer(ConsumerSpec("audit", nats_bus.subjects.trajectories))
+    gen = episodic(nats_bus, make_engine("engine-0"), reply_timeout_s=3.0)
+    doomed = await asyncio.to_thread(start_worker, nats_server.url, subjects.run, "env-0", 1.0)
+    spare = None
+    try:
+        for i in range(6):
+            await nats_bus.publish_event(nats_bus.subjects.requests(0), request(i))
+        async with running(gen):
+            assert gen.episodes is not None
+            episodes = gen.episodes
+            await until(lambda: sum(e.turns >= 1 for e in episodes.live.values()) >= 3, 60)
+            doomed.send_signal(signal.SIGKILL)
+            await asyncio.to_thread(doomed.wait)
+            spare = await asyncio.to_thread(
+                start_worker, nats_server.url, subjects.run, "env-1", 0.0
+            )
+            got = await collect(nats_bus, 6, timeout=120)
+    finally:
+        for proc in (doomed, spare):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert sorted(t.request.request_id for t in got) == sorted(f"g-{i}/0" for i in range(6))
+    assert all(t.finish_reason == "stop" and t.error == "" for t in got)
+    retried = [t for t in got if t.episode is not None and t.episode.attempts == 2]
+    assert retried, "no episode was caught mid-step by the kill"
+    assert all(t.episode is not None and t.episode.reward == 1.0 for t in got)
+    assert gen.episodes.live == {} and not gen.core.held and not gen.core.opening

@@ -54,7 +54,7 @@ PROBE: tuple[tuple[ChatMessage, ...], ...] = (
         ChatMessage(role="system", content="You may call tools."),
         ChatMessage(role="user", content="What is 12*7 + 3?"),
     ),
-    (ChatMessage(role="tool", content="87", name="calculator", tool_call_id="call_1"),),
+    (ChatMessage(role="tool", content="result: 87", name="calculator", tool_call_id="call_1"),),
     (ChatMessage(role="user", content="And then?\n"),),
 )
 """A conversation of an opening and two replies, used by ``check_append_only``."""

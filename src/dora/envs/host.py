@@ -150,7 +150,7 @@ class EnvironmentHost:
     async def reap(self) -> int:
         """Close episodes idle past ``episode_timeout_s``; how many."""
         cutoff = time.monotonic() - self.episode_timeout_s
-        stale = [eid for eid, live in self.live.items() if live.touched < cutoff]
+        stale = [eid for eid, live in self.live.items() if live.touched <= cutoff]
         for eid in stale:
             await self._close(eid)
             self._locks.pop(eid, None)
