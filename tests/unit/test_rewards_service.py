@@ -104,3 +104,21 @@ async def test_unknown_task_and_overlong() -> None:
     assert shaped.reward == pytest.approx(0.5)
     assert shaped.details["overlong_penalty"] == pytest.approx(0.5)
     assert shaped.correct
+
+
+async def test_the_verifier_stage_passes_an_environment_reward_and_zeroes_a_failure() -> None:
+    from dora.events import EpisodeRecord
+    from dora.learner.synthetic import make_scored
+    from dora.stages import VerifierStage
+
+    stage = VerifierStage()
+    await stage.setup(None)  # type: ignore[arg-type]
+    base = make_scored(group_id="g", group_index=0, group_size=1).trajectory
+    episode = EpisodeRecord(environment="retail", turns=3, reward=0.75)
+    passed = await stage.handle(base.model_copy(update={"episode": episode}), None)  # type: ignore[arg-type]
+    assert passed.reward == 0.75 and passed.correct and passed.verifier == "environment:retail"
+    failed = base.model_copy(update={"episode": episode, "error": "environment lost"})
+    scored = await stage.handle(failed, None)  # type: ignore[arg-type]
+    assert scored.reward == 0.0 and "environment lost" in scored.error
+    unscored = base.model_copy(update={"episode": episode.model_copy(update={"reward": None})})
+    assert (await stage.handle(unscored, None)).verifier == "exact_match"  # type: ignore[arg-type]

@@ -199,3 +199,77 @@ def test_overlong_filtering_masks_cut_off_responses(mask_truncated: bool) -> Non
     assert m["groups/trained"] == 1.0  # the group still has its advantages ...
     assert m["samples/masked_truncated"] == (2.0 if mask_truncated else 0.0)
     assert unchanged == mask_truncated  # ... but cut-off samples add no loss when filtered
+
+
+def _errored(scored):
+    """The same sample from an episode whose environment failed twice."""
+    trajectory = scored.trajectory.model_copy(
+        update={"error": "environment lost", "loss_mask": (0,) * len(scored.trajectory.loss_mask)}
+    )
+    return scored.model_copy(update={"trajectory": trajectory, "reward": 0.0})
+
+
+def test_errored_members_leave_the_group_baseline_and_the_loss() -> None:
+    """A group [1, 0, errored]: trained exactly as the group [1, 0]; all errored: skipped."""
+    results = []
+    for with_error in (False, True):
+        model, tok = tiny()
+        prompt = tok.encode("q:", add_bos=True)
+        completions = [tok.encode("ab"), tok.encode("ba"), tok.encode("bb")]
+        n = 3 if with_error else 2
+        group = score_completions(
+            model,
+            group_id="g",
+            prompt_ids=prompt,
+            completions=completions[:n],
+            rewards=[1, 0, 0][:n],
+        )
+        if with_error:
+            group[2] = _errored(group[2])
+        trainer = Trainer(model, GRPOConfig(), OptimConfig(lr=1e-2))
+        m = trainer.step(as_groups([group]))
+        results.append(([p.detach().clone() for p in model.parameters()], m))
+    (plain, m_plain), (mixed, m_mixed) = results
+    assert all(torch.equal(x, y) for x, y in zip(plain, mixed, strict=True))
+    assert m_mixed["samples/errored"] == 1.0 and m_plain["samples/errored"] == 0.0
+    model, tok = tiny()
+    group = score_completions(
+        model, group_id="g", prompt_ids=tok.encode("q:"), completions=[[5], [6]], rewards=[1, 0]
+    )
+    m = Trainer(model, GRPOConfig()).step(as_groups([[_errored(s) for s in group]]))
+    assert m["samples/errored"] == 2.0 and m["groups/skipped_all_equal"] == 1.0
+
+
+def test_environment_tokens_add_nothing_to_the_loss_or_its_gradient() -> None:
+    """Tokens the environment wrote (mask 0) are context, never targets: what they say after
+    the model's last turn changes neither the loss nor its gradient (the same Adam update
+    from the same start means the same gradient)."""
+    grads, losses = [], []
+    for reply in ("<r>42</r>", "<r>no</r>"):
+        model, tok = tiny()
+        prompt = tok.encode("q:", add_bos=True)
+        sampled, written = tok.encode("ab"), tok.encode(reply)
+        group = []
+        for i, reward in enumerate((1.0, 0.0)):
+            completion = [*sampled, *written] if i == 0 else tok.encode("ba")
+            mask = [1] * len(sampled) + [0] * len(written) if i == 0 else None
+            group.append(
+                make_scored(
+                    group_id="g",
+                    group_index=i,
+                    group_size=2,
+                    reward=reward,
+                    prompt_ids=prompt,
+                    completion_ids=completion,
+                    logprobs=behaviour_logprobs(model, prompt, completion),
+                    loss_mask=mask,
+                )
+            )
+        trainer = Trainer(model, GRPOConfig(kl_coef=0.0), OptimConfig(lr=1e-3))
+        m = trainer.step(as_groups([group]))
+        losses.append(m["loss/total"] if "loss/total" in m else m["loss/pg"])
+        grads.append([p.detach().clone() for p in model.parameters()])  # after the update
+    assert losses[0] == losses[1]
+    initial = [p.detach() for p in tiny()[0].parameters()]
+    assert not all(torch.equal(a, b) for a, b in zip(initial, grads[0], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))  # the same update

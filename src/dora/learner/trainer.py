@@ -166,16 +166,23 @@ class Trainer:
 
     def _samples(self, groups: Sequence[Group]) -> tuple[list[_Sample], dict[str, float]]:
         samples: list[_Sample] = []
-        skipped = masked = 0
+        skipped = masked = errored = 0
         for g in groups:
-            rewards = torch.tensor(g.rewards, dtype=torch.float32)
+            # A member whose episode failed (its environment died twice) has no reward to
+            # compare: the group's baseline is taken over the others, it is not trained on.
+            members = [s for s in g.samples if not s.trajectory.error]
+            errored += len(g.samples) - len(members)
+            if not members:
+                skipped += 1
+                continue
+            rewards = torch.tensor([s.reward for s in members], dtype=torch.float32)
             if self.grpo.skip_all_equal and all_equal(rewards):
                 skipped += 1
                 continue
             adv = group_advantages(
                 rewards, scale_by_std=self.grpo.scale_by_std, eps=self.grpo.adv_eps
             )
-            for s, a in zip(g.samples, adv.tolist(), strict=True):
+            for s, a in zip(members, adv.tolist(), strict=True):
                 t = s.trajectory
                 if not t.completion_token_ids:
                     continue
@@ -196,6 +203,7 @@ class Trainer:
         return samples, {
             "groups/skipped_all_equal": float(skipped),
             "samples/masked_truncated": float(masked),
+            "samples/errored": float(errored),
         }
 
     def _microbatches(self, samples: list[_Sample]) -> list[list[_Sample]]:

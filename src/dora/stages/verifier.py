@@ -1,7 +1,10 @@
 """Trajectory -> ScoredTrajectory with a ``dora.rewards`` verifier.
 
-A verifier that raises does not lose the trajectory: it is scored 0 with the error recorded
-(``ScoredTrajectory.error``), as the learner must still see every trajectory.
+An episode's environment reward passes through (``Trajectory.episode.reward``); verifiers
+read only the model's turns (``Trajectory.text`` of an episode). A failed trajectory is
+scored 0 with its error. A verifier that raises does not lose the trajectory: it is scored
+0 with the error recorded (``ScoredTrajectory.error``), as the learner must still see every
+trajectory.
 """
 
 from __future__ import annotations
@@ -41,6 +44,23 @@ class VerifierStage(Stage):
 
     async def handle(self, traj: Trajectory, ctx: Context) -> ScoredTrajectory:
         event_id = derived_id(traj.event_id, "scored")
+        if traj.error:  # a failed episode: kept, scored 0, and the learner leaves it out
+            return ScoredTrajectory(
+                event_id=event_id,
+                trajectory=traj,
+                reward=0.0,
+                verifier=self.verifier.name,
+                error=f"trajectory failed: {traj.error}",
+            )
+        episode = traj.episode
+        if episode is not None and episode.reward is not None:  # the environment's reward
+            return ScoredTrajectory(
+                event_id=event_id,
+                trajectory=traj,
+                reward=episode.reward,
+                correct=episode.reward > 0,
+                verifier=f"environment:{episode.environment}",
+            )
         try:
             result = self.verifier.verify(traj.text, traj.request.prompt)
         except Exception as exc:
