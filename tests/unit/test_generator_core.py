@@ -44,3 +44,23 @@ async def test_a_request_pulled_while_other_weights_load_is_handed_back() -> Non
     assert await admitting == "not_ours"  # handed back to its queue, not dead-lettered
     assert engine.requests == [] and core.held == {}
     core.close()
+
+
+def test_parked_episodes_free_their_decode_slot_up_to_max_parked() -> None:
+    from dora.rollout.generator_core import Held
+
+    engine = LoadingEngine(version=0)
+    config = GeneratorConfig(engine_id="e0", initial_version=0, max_running=4, max_parked=3)
+    core = GeneratorCore(engine, config)  # type: ignore[arg-type]
+    core.state = "serving"
+    for i in range(4):
+        core.held[f"r{i}"] = Held(lease=object())  # type: ignore[arg-type]
+    assert core.room() == 0
+    core.parked |= {"r0", "r1"}  # their environment is running a tool
+    assert core.room() == 2
+    core.opening["r9"] = Held(lease=object())  # type: ignore[arg-type]
+    assert core.room() == 1
+    core.parked.add("r2")
+    assert core.room() == 2  # 2 decoding: 2 slots, but 5 held of 4 + 3
+    core.parked.add("r3")
+    assert core.room() == 2  # the parked cap binds: 7 - 5

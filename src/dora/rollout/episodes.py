@@ -209,6 +209,9 @@ class Episodes:
         )
         step = step.model_copy(update={"event_id": step_event_id(step)})
         owner = ANY if turn == 0 else episode.owner
+        if turn > 0 and episode.ended is None:
+            self.core.parked.add(episode.request.request_id)
+            self.wake()  # a decode slot is free: pull more
         await self.bus.publish_event(self.bus.subjects.env_steps(owner), step)
 
     async def reply(self, reply: EnvReply) -> None:
@@ -221,6 +224,7 @@ class Episodes:
             return  # moving: the importing engine reads it from the stored replies
         episode.awaiting = None
         episode.owner = reply.owner
+        self.core.parked.discard(reply.episode_id)
         if reply.lost or reply.error:
             await self._retry_or_fail(episode, reply.error or "environment lost the episode")
         elif episode.ended is not None:
@@ -253,6 +257,7 @@ class Episodes:
         """Publish the episode's trajectory with its record (read from the stored replies)."""
         rid = episode.request.request_id
         self.live.pop(rid, None)
+        self.core.parked.discard(rid)
         record = await self._record(episode, error)
         update: dict[str, object] = {"episode": record, "text": self._assistant_text(trajectory)}
         if error:
@@ -301,6 +306,7 @@ class Episodes:
             return
         rid = episode.request.request_id
         self._log.warning("episode_retried", request=rid, reason=reason[:200])
+        self.core.parked.discard(rid)
         held = self.core.held.pop(rid, None)
         if held is not None:
             with contextlib.suppress(EngineError):  # it finished meanwhile: dropped as stale
@@ -356,6 +362,8 @@ class Episodes:
         episode.awaiting = episode.turns if parked else None
         episode.deadline = time.monotonic() + self.config.reply_timeout_s
         self.live[request_id] = episode
+        if parked:
+            self.core.parked.add(request_id)
         self.stats.adopted += 1
         await self.catch_up(request_id, mine)
 
@@ -372,6 +380,7 @@ class Episodes:
     def forget(self, request_id: str) -> None:
         """It moved to another engine for good."""
         self.live.pop(request_id, None)
+        self.core.parked.discard(request_id)
 
     async def check_deadlines(self) -> None:
         """Retry (or fail) the episodes whose awaited reply is overdue."""

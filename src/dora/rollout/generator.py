@@ -93,8 +93,13 @@ class Generator:
             lambda text, bos: tokenizer.encode(text, add_bos=bos),
             tokenizer.decode,
             self._store,
-            self._wake.set,
+            self._nudge,
         )
+
+    def _nudge(self) -> None:
+        """Something changed for the engine loop and the pull (room)."""
+        self._wake.set()
+        self._room.set()
 
     @property
     def state(self) -> str:

@@ -68,6 +68,8 @@ class GeneratorConfig:
     queue_ack_wait_s: float = QUEUE_ACK_WAIT_S
     """Used when this generator is the first to create its version's queue consumer."""
     initial_version: int | None = None
+    max_parked: int = 0
+    """Episodes parked on their environment (beyond ``max_running``) before the pull stops."""
     episodes: EpisodeConfig | None = None
     """Every request is a multi-turn episode in this environment (``dora.rollout.episodes``)."""
 

@@ -64,6 +64,9 @@ class GeneratorCore:
         self.resumes: list[RolloutRequest] = []
         """Partial rollout: requests interrupted by an update, re-added first after the load
         (their leases stay in ``held``)."""
+        self.parked: set[str] = set()
+        """Multi-turn episodes parked while their environment works (a tool runs): their KV
+        stays, but they take no decode slot, so up to ``max_parked`` more are pulled."""
         self.opening: dict[str, Held] = {}
         """Multi-turn episodes pulled but waiting for their environment's opening messages
         (not in the engine yet): they take room, keep their leases, and hold back a load."""
@@ -95,7 +98,11 @@ class GeneratorCore:
         """How many more requests to pull now (0 while loading, draining or full)."""
         if self.assigned is None or not self.serving:
             return 0
-        return max(self.config.max_running - len(self.held) - len(self.opening), 0)
+        parked = len(self.parked)
+        decoding = len(self.held) - parked + len(self.opening)
+        total = len(self.held) + len(self.opening)
+        cfg = self.config
+        return max(min(cfg.max_running - decoding, cfg.max_running + cfg.max_parked - total), 0)
 
     async def admit(
         self, request: RolloutRequest, lease: Message, version: int, queue: int | None = None
@@ -143,6 +150,7 @@ class GeneratorCore:
 
     def finish(self, trajectory: Trajectory) -> Message | None:
         """The trajectory is stored: the lease to ack (None for a request no longer held)."""
+        self.parked.discard(trajectory.request.request_id)
         held = self.held.pop(trajectory.request.request_id, None)
         self.stats.finished += 1
         self.stats.reprefilled_tokens += trajectory.reprefilled_tokens
@@ -269,6 +277,7 @@ class GeneratorCore:
     async def release_exported(self, request_id: str) -> None:
         """The target imported it: forget it here (its lease now lives there)."""
         self.held.pop(request_id)  # KeyError (an error reply) when it is not held here
+        self.parked.discard(request_id)
         await self.call(self.engine.release_exported, request_id)
         self.stats.exported += 1
 

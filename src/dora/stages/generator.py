@@ -41,6 +41,12 @@ class GeneratorStageConfig(BaseModel):
     model: ModelSource
     mode: RolloutMode = "dora"
     max_running: int = Field(default=32, ge=1, description="Requests one engine holds.")
+    max_parked: int = Field(
+        default=32,
+        ge=0,
+        description="Episodes: more requests held while that many wait on their environment "
+        "(their KV stays; they take no decode slot).",
+    )
     engine: dict[str, Any] = Field(
         default_factory=dict,
         description="EngineConfig fields.",
@@ -107,6 +113,7 @@ class GeneratorStage(ServiceStage):
                     engine_id=engine.engine_id,
                     mode=cfg.mode,
                     max_running=cfg.max_running,
+                    max_parked=cfg.max_parked if cfg.episodes is not None else 0,
                     export_timeout_s=cfg.export_timeout_s,
                     status_interval_s=cfg.status_interval_s,
                     initial_version=0,
