@@ -39,7 +39,15 @@ from dora.envs.tools import (
 )
 
 
-def _calculator_env(config: EnvironmentConfig) -> Environment:
+class CalculatorEnvConfig(EnvironmentConfig):
+    """The calculator tool; the final answer is scored by ``exact_match``."""
+
+    list_tools: bool = True
+    """Put the tool's schema in a system message (a model warm-started on the calculator's
+    calls does not need it: False keeps prompts short)."""
+
+
+def _calculator_env(config: CalculatorEnvConfig) -> Environment:
     from dora.rewards import make_verifier
 
     verifier = make_verifier("exact_match")
@@ -47,10 +55,11 @@ def _calculator_env(config: EnvironmentConfig) -> Environment:
         ToolSet([CALCULATOR]),
         score=lambda prompt, answer: verifier.verify(answer, prompt).reward,
         max_turns=config.max_turns,
+        list_tools=config.list_tools,
     )
 
 
-register_environment("calculator", EnvironmentConfig, _calculator_env)
+register_environment("calculator", CalculatorEnvConfig, _calculator_env)
 register_environment("retail", RetailEnvConfig, make_retail_environment)
 
 __all__ = [

@@ -20,6 +20,7 @@ import structlog
 import torch
 from torch import Tensor
 
+from dora.events import Trajectory
 from dora.learner.batching import Group
 from dora.learner.grpo import GRPOConfig, all_equal, group_advantages, grpo_loss, loss_denominator
 from dora.models import LlamaModel
@@ -332,4 +333,22 @@ def batch_metrics(groups: Sequence[Group], step: int) -> dict[str, float]:
         "rollout/reprefilled_tokens": float(sum(t.reprefilled_tokens for t in traj)),
         "groups/batch": float(len(groups)),
         "samples/batch": float(len(samples)),
+        **episode_metrics(traj),
+    }
+
+
+def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Multi-turn episodes of a batch: how often the model called a tool, how many turns and
+    tool seconds an episode took, and how many episodes failed (none when no episode)."""
+    episodes = [t.episode for t in trajectories if t.episode is not None]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    return {
+        "episodes/tool_call_rate": sum(e.tool_calls > 0 for e in episodes) / n,
+        "episodes/tool_calls_mean": sum(e.tool_calls for e in episodes) / n,
+        "episodes/tool_call_errors_mean": sum(e.tool_call_errors for e in episodes) / n,
+        "episodes/turns_mean": sum(e.turns for e in episodes) / n,
+        "episodes/tool_seconds_mean": sum(e.tool_seconds for e in episodes) / n,
+        "episodes/errored_frac": sum(bool(e.error) for e in episodes) / n,
     }

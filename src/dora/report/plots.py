@@ -111,11 +111,16 @@ def _reward_step(ax: Axes, run: RunData) -> None:
     correct = sorted(run.series("reward/correct_frac"))
     if correct:
         ax.plot([p[0] for p in correct], [p[2] for p in correct], "--", lw=1, label="correct_frac")
+    tools = sorted(run.series("episodes/tool_call_rate"))
+    if tools:  # multi-turn episodes with tools: how often the policy calls one
+        ax.plot([p[0] for p in tools], [p[2] for p in tools], ":", lw=1.5, label="tool_call_rate")
     ax.set_xlabel("learner step")
     ax.set_ylabel("reward")
     headroom(ax, frac=0.2)
     ax.legend(fontsize=8, loc="upper left", ncol=2)
-    ax.set_title("Reward vs learner step", loc="left", fontsize=11)
+    ax.set_title(
+        "Reward vs learner step" + (" (and tool calls)" if tools else ""), loc="left", fontsize=11
+    )
 
 
 def _reward_time(ax: Axes, run: RunData, t0: float) -> None:

@@ -160,6 +160,10 @@ class ArithmeticTask(BaseTask):
             raise ValueError(f"num_terms must be in [2, 512], got {num_terms}")
         return self._prompt(split, index, num_terms)
 
+    def expression(self, prompt: Prompt) -> str:
+        """The sum as a calculator expression (``3+5+9+2``), for tool demonstrations."""
+        return "+".join(map(str, parse_terms(prompt)))
+
     def identity(self, prompt: Prompt) -> str:
         """The problem's identity (its sorted terms)."""
         return identity(parse_terms(prompt))

@@ -27,7 +27,7 @@ import numpy as np
 import structlog
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dora import interrupt
 from dora.events import Prompt
@@ -87,11 +87,30 @@ class WarmstartConfig(BaseModel):
         "config (e.g. short problems only) before the full distribution.",
     )
     easy_steps: int = Field(default=0, ge=0)
+    tool_fraction: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of demonstrations that call the calculator tool instead of working "
+        "the problem out (multi-turn episodes: the call, the tool's reply as the environment "
+        "renders it, the answer). The task must name its expression (``expression(prompt)``).",
+    )
     seed: int = 0
     eval_prompts: int = Field(default=128, ge=0)
     group_prompts: int = Field(default=16, ge=0, description="Prompts for the group-of-8 check.")
     group_size: int = Field(default=8, ge=1)
     threads: int = Field(default=2, ge=1)
+
+    @model_validator(mode="after")
+    def _tool_task(self) -> WarmstartConfig:
+        if self.tool_fraction and not hasattr(
+            make_task(self.task, **self.task_config), "expression"
+        ):
+            raise ValueError(
+                f"tool_fraction: task {self.task!r} names no calculator expression "
+                "(it needs an expression(prompt) method)"
+            )
+        return self
 
     def key(self) -> str:
         """Cache key: hash of the config and the training-code version."""
@@ -102,6 +121,7 @@ class WarmstartConfig(BaseModel):
             "shortcut_start": 0,
             "easy_task_config": None,
             "easy_steps": 0,
+            "tool_fraction": 0.0,
         }
         for name, default in added_later.items():
             if data[name] == default:  # fields added later: defaults keep cache keys valid
@@ -132,8 +152,10 @@ def demonstration(
     shortcut_fraction: float,
     seed: int,
     shortcut: Literal["answer", "guess"] = "answer",
+    tool_fraction: float = 0.0,
 ) -> str:
-    """The reference solution or, with probability ``shortcut_fraction``, a bare answer line.
+    """The reference solution or, with probability ``shortcut_fraction``, a bare answer line
+    (or, with probability ``tool_fraction``, a calculator call: ``tool_demonstration``).
 
     A teacher that sometimes answers without showing its work gives a policy that holds both
     behaviours, so RL has a behaviour worth selecting (working the problem out), the situation
@@ -145,10 +167,28 @@ def demonstration(
     """
     full = task.solve(prompt)
     rng = random.Random(f"{seed}:{prompt.prompt_id}")
+    if tool_fraction and random.Random(f"tool:{seed}:{prompt.prompt_id}").random() < tool_fraction:
+        return tool_demonstration(task, prompt, full)
     if rng.random() >= shortcut_fraction:
         return full
     last = full.rsplit("\n", 1)[-1]
     return last if shortcut == "answer" else guess_line(task, prompt, last, rng)
+
+
+def tool_demonstration(task: Task, prompt: Prompt, solution: str) -> str:
+    """The calculator called on the problem's expression, its reply exactly as an episode
+    appends it (``dora.envs.chat.ChatFormat``'s default tool template), then the answer line:
+    the tokens a live episode holds, so what is learnt here is what RL samples."""
+    from dora.envs.calculator import calculator
+    from dora.envs.chat import ChatFormat
+    from dora.events import ChatMessage
+
+    expression = task.expression(prompt)  # type: ignore[attr-defined]
+    call = json.dumps(
+        {"name": "calculator", "arguments": {"expression": expression}}, separators=(",", ":")
+    )
+    reply = ChatFormat().render([ChatMessage(role="tool", content=calculator(expression))])
+    return f"<tool_call>{call}</tool_call>{reply}{solution.rsplit(chr(10), 1)[-1]}"
 
 
 def guess_line(task: Task, prompt: Prompt, last_line: str, rng: random.Random) -> str:
@@ -176,6 +216,7 @@ def packed_batches(
     shortcut: Literal["answer", "guess"] = "answer",
     shortcut_start: int = 0,
     easy: tuple[Task, int] | None = None,
+    tool_fraction: float = 0.0,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Endless ``(ids, segment_ids, loss_mask)`` batches of ``rows x row_tokens`` tokens.
 
@@ -198,7 +239,7 @@ def packed_batches(
                 if pending is None:
                     p = source.prompt("train", index)
                     index += 1
-                    text = demonstration(source, p, fraction, seed, shortcut)
+                    text = demonstration(source, p, fraction, seed, shortcut, tool_fraction)
                     seq, start = encode_example(tokenizer, p.text, text)
                     pending = (seq[:row_tokens], start)
                 seq, start = pending
@@ -263,6 +304,7 @@ def train(
         config.shortcut,
         config.shortcut_start,
         easy,
+        config.tool_fraction,
     )
     model.train()
     losses: list[float] = []
