@@ -134,3 +134,32 @@ def test_curriculum_draws_the_first_batches_from_the_easy_task() -> None:
     assert WarmstartConfig(easy_task_config={"max_terms": 3}, easy_steps=2).key() != (
         WarmstartConfig().key()
     )
+
+
+async def test_tool_demonstrations_are_what_a_live_episode_holds() -> None:
+    """A tool demonstration is the calculator call (parsed and run as the environment would),
+    the reply exactly as the generator appends it, then the answer: the same tokens."""
+    from dora.envs import make_environment
+    from dora.envs.base import AssistantTurn
+    from dora.envs.chat import ChatFormat
+    from dora.rewards import make_verifier
+
+    task = make_task("arithmetic", seed=0, min_terms=2, max_terms=8)
+    tok, chat = CharTokenizer.build(), ChatFormat(user="{content}")
+    prompts = list(task.prompts("train", 400))
+    demos = [demonstration(task, p, 0.0, seed=0, tool_fraction=0.2) for p in prompts]
+    tools = [(d, p) for d, p in zip(demos, prompts, strict=True) if d.startswith("<tool_call>")]
+    assert 0.15 < len(tools) / len(demos) < 0.25
+    verifier = make_verifier("exact_match")
+    for demo, prompt in tools[:20]:
+        env = make_environment("calculator", list_tools=False)
+        opening = await env.reset(prompt, seed=0)
+        assert chat.render(opening) == prompt.text  # the prompt the warm start trained on
+        call, rest = demo.split("</tool_call>", 1)
+        result = await env.step(AssistantTurn(call + "</tool_call>"))
+        reply = chat.render(result.messages)
+        assert rest.startswith(reply)  # the reply, token for token
+        assert tok.encode(demo) == tok.encode(call + "</tool_call>") + tok.encode(rest)
+        final = await env.step(AssistantTurn(rest[len(reply) :]))
+        assert final.done and final.reward == 1.0
+        assert verifier.verify(demo, prompt).correct

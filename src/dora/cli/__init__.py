@@ -35,6 +35,7 @@ COMMANDS: dict[str, str] = {
 }
 BENCHMARKS: dict[str, str] = {
     "bus": "dora.bench.bus",
+    "episodes": "dora.bench.episodes",
     "engine": "dora.bench.engine",
     "migrate": "dora.bench.migrate",
     "modes": "dora.bench.modes",
