@@ -17,7 +17,7 @@ from dora.bus import ConsumerSpec, NatsBus
 from dora.bus.server import NatsServer
 from dora.engines.torch import TorchEngine
 from dora.envs import AssistantTurn, ChatMessage, StepResult
-from dora.envs.chat import ChatFormat
+from dora.envs.chat import ChatFormat, TemplateFormat
 from dora.envs.host import EnvironmentHost
 from dora.envs.service import EnvironmentService
 from dora.events import (
@@ -84,7 +84,8 @@ async def environment(bus: NatsBus, make: Any, owner: str = "env-0") -> AsyncIte
 
 
 def episodic(bus: NatsBus, engine: TorchEngine, **config: Any) -> Generator:
-    episodes = EpisodeConfig(environment="scripted", turn_stop_strings=TURN_END, **config)
+    config.setdefault("turn_stop_strings", TURN_END)
+    episodes = EpisodeConfig(environment="scripted", **config)
     return Generator(
         engine,
         bus,
@@ -104,11 +105,13 @@ def request(i: int, max_tokens: int = 200) -> RolloutRequest:
     )
 
 
-def check_concatenation(traj: Trajectory, engine: TorchEngine, replies: list[str]) -> None:
+def check_concatenation(
+    traj: Trajectory, engine: TorchEngine, replies: list[str], chat: Any = CHAT
+) -> None:
     """prompt = the rendered opening; completion = turn, reply, turn, reply, ..., turn; the
     mask 1 exactly on the sampled tokens."""
     tok = engine.tokenizer
-    opening = CHAT.render(
+    opening = chat.opening(
         [
             ChatMessage(
                 role="user",
@@ -123,7 +126,7 @@ def check_concatenation(traj: Trajectory, engine: TorchEngine, replies: list[str
     tool_spans = [t for t in traj.turns if t.role == "tool"]
     for span, reply in zip(tool_spans, replies, strict=True):
         assert list(ids[span.start : span.end]) == tok.encode(
-            CHAT.render([ChatMessage(role="tool", content=reply)]), add_bos=False
+            chat.reply([ChatMessage(role="tool", content=reply)]), add_bos=False
         )
     for span in traj.turns:
         want = 1 if span.role == "assistant" else 0
@@ -156,6 +159,21 @@ async def test_episodes_run_turn_by_turn_without_reprefilling(nats_bus: NatsBus)
         )
     # each reply (and the turn's last sampled token) is prefilled once; earlier turns never
     assert engine.counters.prefill_tokens == prefilled
+
+
+async def test_a_chat_template_renders_the_opening_and_each_reply(nats_bus: NatsBus) -> None:
+    from tests.unit.test_env_host import CHATML
+
+    await nats_bus.consumer(ConsumerSpec("audit", nats_bus.subjects.trajectories))
+    engine = make_engine("engine-0")
+    # the model ends a turn with "e" (the template writes it after each assistant message)
+    chat = TemplateFormat(template=CHATML.replace("<|im_end|>", "e"), turn_end="e")
+    gen = episodic(nats_bus, engine, chat=chat, turn_stop_strings=("e",))
+    await nats_bus.publish_event(nats_bus.subjects.requests(0), request(5, max_tokens=1500))
+    async with environment(nats_bus, lambda: Scripted(turns=3)), running(gen):
+        (traj,) = await collect(nats_bus, 1, timeout=60)
+    check_concatenation(traj, engine, ["<r>1</r>", "<r>2</r>"], chat)
+    assert traj.episode is not None and traj.episode.reward == 3.0
 
 
 async def test_a_parked_episode_migrates_and_its_reply_reaches_the_new_engine(

@@ -127,3 +127,38 @@ def test_a_format_whose_pieces_merge_across_turns_is_refused() -> None:
     # the turn ends "</tool_call>" and this reply starts with "\n": one token only when whole
     with pytest.raises(NotAppendOnly, match="differ at token"):
         check_append_only(ChatFormat(tool="\n<tool>{content}</tool>"), merging)
+
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_chat_template_appends_its_difference_separators_included() -> None:
+    from dora.envs.chat import TemplateFormat
+
+    chat = TemplateFormat(template=CHATML, turn_end="<|im_end|>")
+    check_append_only(chat, characters)
+    opening = chat.opening([ChatMessage(role="user", content="2+2?")])
+    assert opening == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    # the model sampled "...<|im_end|>": the newline the template writes after it comes with
+    # the reply, not lost between the turns
+    reply = chat.reply([ChatMessage(role="tool", content="4")])
+    assert reply == "\n<|im_start|>tool\n4<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_chat_template_that_rerenders_past_turns_is_refused() -> None:
+    from dora.envs.chat import TemplateFormat
+
+    lossy = CHATML.replace("message['content']", "message['content'] | replace('>{', '> {')")
+    with pytest.raises(NotAppendOnly, match=r"differently|whole conversation"):
+        check_append_only(TemplateFormat(template=lossy, turn_end="<|im_end|>"), characters)
+    with pytest.raises(NotAppendOnly):  # the turn end is not what the template writes
+        check_append_only(TemplateFormat(template=CHATML, turn_end="</s>"), characters)
+
+
+def characters(text: str) -> list[int]:
+    return [ord(c) for c in text]

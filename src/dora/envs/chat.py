@@ -1,4 +1,4 @@
-"""How a conversation becomes tokens, append-only: each message is rendered on its own.
+"""How a conversation becomes tokens, append-only.
 
 The trajectory of an episode is the rendered opening followed, turn by turn, by exactly the
 sampled tokens and the rendered environment reply; nothing already in the context is ever
@@ -6,11 +6,19 @@ decoded and encoded again. That holds only if rendering the conversation so far 
 reply gives the same tokens as rendering both at once (no separator dropped, no pieces merged
 across the boundary): ``check_append_only`` proves it for the format and tokenizer at start-up,
 and the generator refuses to start otherwise.
+
+Two formats: ``ChatFormat``, a template per role, each message rendered on its own; and
+``TemplateFormat``, a Hugging Face chat template (Jinja), whose reply text is the template's
+difference: the whole conversation rendered with the reply, minus what the context already
+holds (the opening and the sampled turns). A template that renders earlier turns differently
+once later ones exist (one that drops past reasoning, say) is refused at start-up.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from functools import cached_property
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,6 +32,8 @@ class ChatFormat(BaseModel):
     assistant turn (where generation starts)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["roles"] = "roles"
 
     system: str = Field(default="{content}\n", description="Template of a system message.")
     user: str = Field(default="{content}\n", description="Template of a user message.")
@@ -44,6 +54,80 @@ class ChatFormat(BaseModel):
         body = "".join(templates[m.role].replace("{content}", m.content) for m in messages)
         return body + self.assistant
 
+    def opening(self, messages: Sequence[ChatMessage]) -> str:
+        """The prompt: the environment's opening messages and the first turn's header."""
+        return self.render(messages)
+
+    def reply(self, messages: Sequence[ChatMessage]) -> str:
+        """What is appended after a sampled turn: the reply and the next turn's header."""
+        return self.render(messages)
+
+    def whole(self, conversation: Sequence[ChatMessage]) -> str | None:
+        """The conversation rendered at once (None: only piece by piece, as here)."""
+        return None
+
+
+class TemplateFormat(BaseModel):
+    """A Hugging Face chat template (Jinja source, as in ``tokenizer_config.json``).
+
+    ``turn_end`` is what the template writes after an assistant message's content and what
+    the model samples to end its turn (e.g. ``<|im_end|>``): the context holds the sampled
+    text, so the reply is the template's rendering of the conversation with the reply, minus
+    the opening, every sampled turn and every earlier reply. Rendered in Jinja's sandbox.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["template"] = "template"
+    template: str = Field(min_length=1, description="The chat template (Jinja).")
+    turn_end: str = Field(default="", description="Sampled at the end of an assistant turn.")
+    bos_token: str = ""
+    eos_token: str = ""
+
+    @cached_property
+    def _compiled(self) -> Any:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.template)
+
+    def _render(self, messages: Sequence[ChatMessage], generation: bool) -> str:
+        return str(
+            self._compiled.render(
+                messages=[m.model_dump(exclude_none=True) for m in messages],
+                add_generation_prompt=generation,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        )
+
+    def opening(self, messages: Sequence[ChatMessage]) -> str:
+        return self._render(messages, generation=True)
+
+    def reply(self, messages: Sequence[ChatMessage]) -> str:
+        """The template's difference after a probe context: templates render each message on
+        its own once past the opening (checked by ``check_append_only`` for this one)."""
+        context = [*PROBE[0], ChatMessage(role="assistant", content=PROBE_TURNS[0])]
+        before = self._render(PROBE[0], generation=True) + PROBE_TURNS[0] + self.turn_end
+        after = self._render([*context, *messages], generation=True)
+        if not after.startswith(before):
+            raise NotAppendOnly(
+                "chat template renders an assistant turn differently from what was sampled "
+                f"(expected the context to continue {before[-40:]!r})"
+            )
+        return after[len(before) :]
+
+    def whole(self, conversation: Sequence[ChatMessage]) -> str | None:
+        return self._render(conversation, generation=True)
+
+
+Chat = ChatFormat | TemplateFormat
+
 
 class NotAppendOnly(ValueError):
     """The format and tokenizer would re-tokenize history differently between turns."""
@@ -61,13 +145,27 @@ PROBE: tuple[tuple[ChatMessage, ...], ...] = (
 PROBE_TURNS = ('<tool_call>{"name": "calculator"}</tool_call>', "The answer is 87.")
 
 
-def check_append_only(chat: ChatFormat, encode: Encode) -> None:
+def check_append_only(chat: Chat, encode: Encode) -> None:
     """Raise ``NotAppendOnly`` unless encoding the probe conversation piece by piece (opening,
     sampled turn, reply, ...) gives exactly the tokens of encoding it whole, with every
-    message's content still in it."""
-    pieces = [chat.render(PROBE[0])]
+    message's content still in it; for a chat template, also unless the pieces are exactly
+    the template's rendering of the whole conversation (no earlier turn re-rendered)."""
+    end = chat.turn_end if isinstance(chat, TemplateFormat) else ""
+    pieces = [chat.opening(PROBE[0])]
+    conversation = list(PROBE[0])
     for turn, reply in zip(PROBE_TURNS, PROBE[1:], strict=True):
-        pieces += [turn, chat.render(reply)]
+        pieces += [turn + end, chat.reply(reply)]
+        conversation += [ChatMessage(role="assistant", content=turn), *reply]
+    rendered = chat.whole(conversation)
+    if rendered is not None and rendered != "".join(pieces):
+        at = next(
+            (i for i, (a, b) in enumerate(zip(rendered, "".join(pieces), strict=False)) if a != b),
+            min(len(rendered), len("".join(pieces))),
+        )
+        raise NotAppendOnly(
+            "chat template is not append-only: rendering the whole conversation differs from "
+            f"rendering it turn by turn at character {at} ({rendered[at : at + 30]!r})"
+        )
     whole = encode("".join(pieces))
     split = [tok for piece in pieces for tok in encode(piece)]
     if whole != split:

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dora.bus import Bus, Message
 from dora.engines.base import EngineError, TurnEnd
-from dora.envs.chat import ChatFormat
+from dora.envs.chat import Chat, ChatFormat
 from dora.events import EnvReply, EnvStep, EpisodeRecord, RolloutRequest, Trajectory
 from dora.rollout.generator_core import Admitted, GeneratorCore, Held
 from dora.stage.deadletter import parse_event
@@ -49,7 +49,7 @@ class EpisodeConfig(BaseModel):
     turn_stop_strings: tuple[str, ...] = Field(
         default=("</tool_call>",), description="Text that ends an assistant turn."
     )
-    chat: ChatFormat = Field(default_factory=ChatFormat)
+    chat: Chat = Field(default_factory=ChatFormat, description="ChatFormat or TemplateFormat.")
     reply_timeout_s: float = Field(
         default=120.0,
         gt=0,
@@ -144,7 +144,7 @@ class Episodes:
         held = self.core.opening.pop(rid, None)
         if held is None:
             return
-        ids = self.encode(self.config.chat.render(reply.messages), True)
+        ids = self.encode(self.config.chat.opening(reply.messages), True)
         sampling = episode.request.sampling.model_copy(
             update={"turn_stop_strings": self.config.turn_stop_strings, "park_on_stop": True}
         )
@@ -241,7 +241,7 @@ class Episodes:
 
     async def _append(self, episode: Episode, reply: EnvReply) -> None:
         rid = episode.request.request_id
-        ids = self.encode(self.config.chat.render(reply.messages), False)
+        ids = self.encode(self.config.chat.reply(reply.messages), False)
         try:
             await self.core.call(self.core.engine.append, rid, ids)  # type: ignore[attr-defined]
         except EngineError as exc:  # the reply does not fit the context: the episode ends
