@@ -163,3 +163,18 @@ async def test_tool_demonstrations_are_what_a_live_episode_holds() -> None:
         final = await env.step(AssistantTurn(rest[len(reply) :]))
         assert final.done and final.reward == 1.0
         assert verifier.verify(demo, prompt).correct
+
+
+def test_tool_replies_in_demonstrations_carry_no_loss() -> None:
+    task = make_task("arithmetic", seed=0, min_terms=2, max_terms=4)
+    tok = CharTokenizer.build()
+    ids, _seg, mask = next(packed_batches(task, tok, rows=2, row_tokens=256, tool_fraction=1.0))
+    text = tok.decode([int(i) for i in ids[0][mask[0]]])
+    assert "<tool_call>" in text and "answer:" in text
+    assert "<tool>" not in text and "</tool>" not in text  # the environment's, not the model's
+    start, end = tok.encode("<tool>")[0], tok.encode("</tool>")[0]
+    row, m = ids[0].tolist(), mask[0].tolist()
+    for i, t in enumerate(row):
+        if t == start:
+            j = row.index(end, i)
+            assert not any(m[i : j + 2]) and m[j + 2]  # reply and its newline; the answer is

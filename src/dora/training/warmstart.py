@@ -140,6 +140,23 @@ def is_complete(directory: Path) -> bool:
     return (directory / RESULT_FILE).is_file() and (directory / "model.safetensors").is_file()
 
 
+_TOOL_REPLY = re.compile(r"(<tool>.*?</tool>\n?)", re.DOTALL)
+
+
+def tool_reply_spans(tokenizer: CharTokenizer, completion: str) -> list[tuple[int, int]]:
+    """Token spans of a demonstration's tool replies (``<tool>...</tool>``): the environment
+    writes them in an episode, so, as there, they are context and carry no loss."""
+    if "<tool>" not in completion:
+        return []
+    spans, at = [], 0
+    for piece in _TOOL_REPLY.split(completion):
+        n = len(tokenizer.encode(piece))
+        if _TOOL_REPLY.fullmatch(piece):
+            spans.append((at, at + n))
+        at += n
+    return spans
+
+
 def encode_example(tokenizer: CharTokenizer, prompt: str, completion: str) -> tuple[list[int], int]:
     """``<bos> prompt completion <eos>`` and the index where the completion starts."""
     head = tokenizer.encode(prompt, add_bos=True)
@@ -226,7 +243,7 @@ def packed_batches(
     ``steps`` batches draw their problems from that easier task (a curriculum).
     """
     index = 0
-    pending: tuple[list[int], int] | None = None
+    pending: tuple[list[int], int, list[tuple[int, int]]] | None = None
     for batch in itertools.count():
         fraction = shortcut_fraction if batch >= shortcut_start else 0.0
         source = easy[0] if easy is not None and batch < easy[1] else task
@@ -241,8 +258,8 @@ def packed_batches(
                     index += 1
                     text = demonstration(source, p, fraction, seed, shortcut, tool_fraction)
                     seq, start = encode_example(tokenizer, p.text, text)
-                    pending = (seq[:row_tokens], start)
-                seq, start = pending
+                    pending = (seq[:row_tokens], start, tool_reply_spans(tokenizer, text))
+                seq, start, replies = pending
                 if used + len(seq) > row_tokens:
                     if used == 0:  # pragma: no cover - truncated above
                         raise AssertionError("example longer than a row")
@@ -250,6 +267,8 @@ def packed_batches(
                 ids[r, used : used + len(seq)] = torch.tensor(seq)
                 seg[r, used : used + len(seq)] = segment
                 mask[r, used + start : used + len(seq)] = True
+                for a, b in replies:  # tool replies: context, no loss
+                    mask[r, used + start + a : used + start + b] = False
                 used += len(seq)
                 segment += 1
                 pending = None
