@@ -475,6 +475,12 @@ class KVSnapshot(Event):
         default=(), description="Multi-turn episodes: the completion spans the environment wrote."
     )
     turn_start: int = Field(default=0, ge=0, description="Where the current turn began.")
+    recompute_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="Tokens that had KV before (a parked episode's evicted KV): computing "
+        "them again counts as re-prefill on the target too.",
+    )
     parked: bool = Field(
         default=False, description="Exported at a turn boundary, waiting for its environment."
     )

@@ -155,3 +155,32 @@ def engine_turn(engine: TorchEngine):
         ends = engine.take_turn_ends()
         if ends:
             return ends[0]
+
+
+def test_under_kv_pressure_a_parked_episode_is_evicted_and_reprefilled_counted() -> None:
+    """A parked episode's idle KV goes before any running request is preempted; its reply
+    then brings a prefill of the whole history, on this engine, counted as re-prefilled."""
+    engine = make_engine(num_blocks=12, max_model_len=192)
+    engine.add_request(
+        make_request("ep", max_tokens=120, temperature=1.0, seed=7, turn_stop_strings=TURN_END)
+    )
+    engine_turn(engine)
+    held = engine.blocks.num_used
+    computed = engine._get("ep").num_computed
+    assert held > 0 and computed > 0
+    engine.add_request(make_request("big", max_tokens=170, temperature=0.0))  # no early stop
+    while engine.counters.parked_evictions == 0 and engine.has_work():
+        engine.step()
+    assert engine.counters.parked_evictions == 1 and engine.counters.preemptions == 0
+    assert engine.episode_state("ep")[1] and engine._get("ep").block_table == []
+    while engine.has_work():  # the long request runs to its end
+        engine.step()
+    reply = engine.tokenizer.encode("<r>1</r>", add_bos=False)
+    cached = engine.counters.cached_tokens
+    engine.append("ep", reply)
+    end = engine_turn(engine)
+    traj = engine.end_episode(end.request_id)
+    hit = engine.counters.cached_tokens - cached  # blocks the prefix cache still held
+    # the history computed again (what the prefix cache did not still hold), counted
+    assert traj.reprefilled_tokens == computed - hit > 0
+    assert traj.engines == ("e0",) and [t.role for t in traj.turns][:2] == ["assistant", "tool"]

@@ -54,6 +54,7 @@ class EngineCounters:
     cached_tokens: int = 0
     generated_tokens: int = 0  # tokens sampled
     preemptions: int = 0
+    parked_evictions: int = 0
     steps: int = 0
     finished: int = 0
     exported: int = 0
@@ -228,6 +229,7 @@ class TorchEngine:
         """Schedule, run one forward, sample, and return the trajectories that finished."""
         batch = self.scheduler.schedule()
         self.counters.preemptions = self.scheduler.preemptions
+        self.counters.parked_evictions = self.scheduler.evictions
         self.counters.cached_tokens = self.scheduler.cached_tokens
         if not batch:
             return []
@@ -262,8 +264,7 @@ class TorchEngine:
 
     def _park(self, seq: Sequence) -> None:
         """End of an assistant turn: keep the KV, stop scheduling, wait for ``append``."""
-        self.scheduler.remove(seq)
-        seq.status = SeqStatus.PARKED
+        self.scheduler.park(seq)
         turn = tuple(seq.completion[seq.turn_start :])
         text = self.tokenizer.decode(turn) if self.tokenizer is not None else ""
         self._turn_ends.append(TurnEnd(seq.request_id, turn, text))
@@ -301,7 +302,7 @@ class TorchEngine:
         seq.token_versions.extend([seq.version] * len(token_ids))
         seq.appended.append((start, seq.num_completion, role))
         seq.turn_start = seq.num_completion
-        self.scheduler.add_running(seq)
+        self.scheduler.unpark(seq)
 
     def _account(self, s: ScheduledSeq, t0: float, dt: float) -> None:
         seq, n = s.seq, s.num_tokens
@@ -388,7 +389,7 @@ class TorchEngine:
         """Schedule a restored or imported sequence; one parked at a turn boundary stays
         parked (its environment's reply is what it waits for)."""
         if parked:
-            seq.status = SeqStatus.PARKED
+            self.scheduler.park(seq)
         elif seq.num_computed:
             self.scheduler.add_running(seq)
         else:

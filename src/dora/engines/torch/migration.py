@@ -58,6 +58,7 @@ def export_sequence(engine: TorchEngine, seq: Sequence) -> bytes:
             for start, end, role in seq.appended
         ),
         turn_start=seq.turn_start,
+        recompute_tokens=seq.recompute_hw,
         parked=seq.status is SeqStatus.PARKED,
     )
     return encode_snapshot(header, payload)
@@ -157,7 +158,7 @@ def import_sequence(engine: TorchEngine, data: bytes) -> tuple[Sequence, bool]:
         track_versions=n_resumed > 0,
         num_computed=h.num_cached_tokens,
         block_table=blocks,
-        recompute_hw=h.num_cached_tokens,
+        recompute_hw=max(h.num_cached_tokens, h.recompute_tokens),
         reprefilled=h.reprefilled_tokens,
         engines=engines,
         migrations=[*h.migrations, migration],

@@ -6,6 +6,11 @@ chunk), then waiting sequences are admitted in priority order while budget, sequ
 and KV blocks last. When blocks run out, the lowest-priority running sequence is preempted
 recompute-style: its blocks are freed and it waits to be prefilled again (those tokens are
 counted as re-prefilled).
+
+Multi-turn episodes parked at a turn boundary (waiting for their environment) keep their KV
+but are not scheduled. Under KV pressure a parked episode's KV is evicted before any running
+sequence is preempted (the oldest parked first): it is prefilled again when its reply comes,
+on this engine (which serves its version), and those tokens count as re-prefilled.
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ class Scheduler:
         self.blocks = blocks
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.parked: list[Sequence] = []
         self.preemptions = 0
+        self.evictions = 0
+        """Parked episodes whose KV was freed under pressure."""
         self.cached_tokens = 0  # context tokens admitted with KV from the prefix cache
 
     def add(self, seq: Sequence) -> None:
@@ -42,10 +50,35 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the scheduler (its blocks stay as they are)."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        for pool in (self.running, self.waiting, self.parked):
+            if seq in pool:
+                pool.remove(seq)
+                return
+
+    def park(self, seq: Sequence) -> None:
+        """A turn boundary: keep its KV (while there is room), stop scheduling it."""
+        self.remove(seq)
+        seq.status = SeqStatus.PARKED
+        self.parked.append(seq)
+
+    def unpark(self, seq: Sequence) -> None:
+        """Its reply was appended: decode on, or be prefilled again if its KV was evicted."""
+        self.remove(seq)
+        if seq.block_table:
+            self.add_running(seq)
+        else:
+            self.add(seq)
+
+    def _evict_parked(self) -> bool:
+        """Free the KV of the oldest parked episode that holds some; False: none does."""
+        for seq in self.parked:
+            if seq.block_table:
+                seq.recompute_hw = max(seq.recompute_hw, seq.num_computed)
+                self._release(seq)
+                self.evictions += 1
+                log.debug("parked_kv_evicted", request_id=seq.request_id)
+                return True
+        return False
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -89,6 +122,8 @@ class Scheduler:
                 continue
             n = min(seq.num_pending, budget)
             fits = self._grow(seq, seq.num_computed + n)
+            while not fits and self._evict_parked():  # idle KV goes first
+                fits = self._grow(seq, seq.num_computed + n)
             while not fits and queue:
                 self.preempt(queue.pop())  # lowest priority not yet scheduled
                 fits = self._grow(seq, seq.num_computed + n)
@@ -108,7 +143,10 @@ class Scheduler:
                 seq.block_table, seq.block_hashes = hits, hashes
                 seq.num_computed = cached = len(hits) * self.blocks.block_size
             n = min(seq.num_pending, budget)
-            if not self._grow(seq, seq.num_computed + n):
+            fits = self._grow(seq, seq.num_computed + n)
+            while not fits and not self.running and self._evict_parked():
+                fits = self._grow(seq, seq.num_computed + n)  # else nothing would run at all
+            if not fits:
                 self._release(seq)
                 break
             self.waiting.pop(0)
