@@ -318,6 +318,9 @@ class RunningRequest(Model):
     max_tokens: int = Field(ge=0)
     kv_blocks: int = Field(ge=0)
     dispatched_at: float = 0.0
+    parked: bool = Field(
+        default=False, description="A multi-turn episode waiting for its environment."
+    )
 
 
 EngineState = Literal["idle", "loading", "serving", "draining", "stopped"]
@@ -333,6 +336,7 @@ class EngineStatus(Event):
     state: EngineState = "idle"
     running: int = Field(default=0, ge=0)
     waiting: int = Field(default=0, ge=0)
+    parked: int = Field(default=0, ge=0, description="Episodes waiting for their environment.")
     kv_blocks_used: int = Field(default=0, ge=0)
     kv_blocks_total: int = Field(default=0, ge=0)
     block_size: int = Field(default=16, ge=1)

@@ -430,6 +430,7 @@ class TorchEngine:
             state="serving" if self.has_work() else "idle",
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
+            parked=len(self.scheduler.parked),
             kv_blocks_used=self.blocks.num_used,
             kv_blocks_total=self.blocks.num_blocks,
             block_size=self.blocks.block_size,
@@ -443,6 +444,7 @@ class TorchEngine:
                     max_tokens=max(0, s.request.sampling.max_tokens),
                     kv_blocks=len(s.block_table),
                     dispatched_at=s.request.dispatched_at,
+                    parked=s.status is SeqStatus.PARKED,
                 )
                 for s in held
             ),
