@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from dora.events import ChatMessage
 
@@ -126,7 +126,17 @@ class TemplateFormat(BaseModel):
         return self._render(conversation, generation=True)
 
 
-Chat = ChatFormat | TemplateFormat
+def _chat_kind(value: Any) -> str:
+    if isinstance(value, dict):
+        return "template" if "template" in value else "roles"
+    return str(getattr(value, "kind", "roles"))
+
+
+Chat = Annotated[
+    Annotated[ChatFormat, Tag("roles")] | Annotated[TemplateFormat, Tag("template")],
+    Discriminator(_chat_kind),
+]
+"""Per-role templates, or (with a ``template`` key) a Hugging Face chat template."""
 
 
 class NotAppendOnly(ValueError):
