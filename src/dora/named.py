@@ -7,6 +7,7 @@ name or a bad field raises the kind's error with one line naming it.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -44,6 +45,10 @@ class Named(Generic[T]):
         return sorted(self._entries)
 
     def make(self, name: str, **config: Any) -> T:
+        """Build ``name`` from ``config``. ``"module:attr"`` imports the module first (it may
+        register ``name``); otherwise ``attr`` is called with the config as keywords."""
+        if name not in self._entries and ":" in name:
+            return self._imported(name, config)
         if name not in self._entries:
             raise self.error(f"unknown {self.kind} {name!r}; choose one of {self.names()}")
         config_cls, factory = self._entries[name]
@@ -53,3 +58,16 @@ class Named(Generic[T]):
             what = f"{self.kind} {name!r}"
             raise self.error(f"invalid config for {what}: {config_problems(exc)}") from exc
         return factory(validated)
+
+    def _imported(self, name: str, config: dict[str, Any]) -> T:
+        module, _, attr = name.partition(":")
+        try:
+            target = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise self.error(f"{self.kind} {name!r}: cannot import it ({exc})") from exc
+        if name in self._entries:  # the module registered it under this name
+            return self.make(name, **config)
+        try:
+            return target(**config)  # type: ignore[no-any-return]
+        except TypeError as exc:
+            raise self.error(f"invalid config for {self.kind} {name!r}: {exc}") from exc
