@@ -13,7 +13,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from dora.rollout.episodes import EpisodeConfig
 from dora.rollout.generator_config import RolloutMode
@@ -67,6 +74,15 @@ class GeneratorStageConfig(BaseModel):
         description="A request exported for a migration that neither moved nor came back "
         "within this (the orchestrator died mid-migration) goes on generating here.",
     )
+
+    @model_validator(mode="after")
+    def _episodes_keep_one_version(self) -> GeneratorStageConfig:
+        if self.episodes is not None and self.mode == "partial":
+            raise ValueError(
+                "episodes: the partial baseline re-serves interrupted requests under newer "
+                "weights, so an episode would span versions; use mode dora, sync or one_step_off"
+            )
+        return self
 
     @field_validator("engine")
     @classmethod
