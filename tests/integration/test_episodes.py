@@ -48,10 +48,17 @@ class Scripted:
     """Replies ``<r>k</r>`` to the first ``turns - 1`` turns, then ends with reward ``turns``.
     ``gate``: each step waits for it (a slow tool)."""
 
-    def __init__(self, turns: int = 3, gate: asyncio.Event | None = None) -> None:
-        self.turns, self.gate, self.seen = turns, gate, 0
+    def __init__(
+        self,
+        turns: int = 3,
+        gate: asyncio.Event | None = None,
+        opening: asyncio.Event | None = None,
+    ) -> None:
+        self.turns, self.gate, self.opening, self.seen = turns, gate, opening, 0
 
     async def reset(self, prompt: Prompt, seed: int) -> list[ChatMessage]:
+        if self.opening is not None:
+            await self.opening.wait()
         return [ChatMessage(role="user", content=f"{prompt.text} (seed {seed})")]
 
     async def step(self, turn: AssistantTurn) -> StepResult:
@@ -289,3 +296,31 @@ async def test_an_environment_killed_mid_episode_loses_no_request(
     assert retried, "no episode was caught mid-step by the kill"
     assert all(t.episode is not None and t.episode.reward == 1.0 for t in got)
     assert gen.episodes.live == {} and not gen.core.held and not gen.core.opening
+
+
+async def test_an_episode_handed_back_before_it_started_starts_again_at_once(
+    nats_bus: NatsBus,
+) -> None:
+    """Reassigned while its environment was starting it, the generator hands the request
+    back; pulled again, it starts on a fresh attempt (the first attempt's opening is stored
+    under the same id, so a repeat would be dropped by the bus and wait out the timeout)."""
+    await nats_bus.consumer(ConsumerSpec("audit", nats_bus.subjects.trajectories))
+    engine = make_engine("engine-0")
+    gen = episodic(nats_bus, engine, reply_timeout_s=300)
+    opening = asyncio.Event()
+    control = nats_bus.subjects.control("engine-0")
+    await nats_bus.publish_event(nats_bus.subjects.requests(0), request(3))
+    env = environment(nats_bus, lambda: Scripted(turns=2, opening=opening))
+    async with env as host, running(gen):
+        assert gen.episodes is not None
+        await until(lambda: bool(gen.core.opening), 30)
+        assign = AssignVersion(engine_id="engine-0", version=1)
+        await nats_bus.request(control, assign.model_dump_json().encode())
+        opening.set()  # the opening arrives for a version the engine no longer serves
+        await until(lambda: not gen.core.opening and not gen.episodes.live, 30)
+        back = AssignVersion(engine_id="engine-0", version=0)
+        await nats_bus.request(control, back.model_dump_json().encode())
+        (traj,) = await collect(nats_bus, 1, timeout=60)  # well inside reply_timeout_s
+    assert traj.finish_reason == "stop" and traj.episode is not None
+    assert traj.episode.attempts == 1 and traj.episode.reward == 2.0
+    assert host.stats.episodes == 2  # the handed-back attempt's instance, then a fresh one

@@ -67,6 +67,9 @@ class Episode:
     version: int
     queue: int | None
     attempt: int = 0
+    first_attempt: int = 0
+    """A request opened again (handed back, or its engine died) starts past every attempt
+    already answered: a reply's id is (episode, attempt, turn), and the bus drops a repeat."""
     turns: int = 0
     """Assistant turns handed to the environment."""
     awaiting: int | None = 0
@@ -132,7 +135,9 @@ class Episodes:
         if self.core.engine.version != version or self.core.assigned != version:
             return "not_ours"
         self.core.opening[rid] = Held(lease)
-        episode = Episode(request, version, queue)
+        earlier = [r.attempt for r in await self.stored_replies(rid)]
+        attempt = max(earlier) + 1 if earlier else 0
+        episode = Episode(request, version, queue, attempt=attempt, first_attempt=attempt)
         self.live[rid] = episode
         self.stats.opened += 1
         await self._send(episode, 0)
@@ -294,14 +299,14 @@ class Episodes:
             tool_calls=int(sum(m.get("tool_calls", 0.0) for m in metrics)),
             tool_call_errors=int(sum(m.get("tool_call_errors", 0.0) for m in metrics)),
             tool_seconds=sum(m.get("tool_seconds", 0.0) for m in metrics),
-            attempts=episode.attempt + 1,
+            attempts=episode.attempt - episode.first_attempt + 1,
             error=error,
         )
 
     async def _retry_or_fail(self, episode: Episode, reason: str) -> None:
         """Start again on a fresh environment (the failed attempt's tokens are dropped), or,
         out of retries, publish the trajectory with the error."""
-        if episode.attempt >= self.config.retries:
+        if episode.attempt - episode.first_attempt >= self.config.retries:
             await self._fail(episode, reason)
             return
         rid = episode.request.request_id
@@ -356,7 +361,7 @@ class Episodes:
         )
         attempt = max(r.attempt for r in replies)
         mine = [r for r in replies if r.attempt == attempt]
-        episode = Episode(request, request.version, None, attempt=attempt)
+        episode = Episode(request, request.version, None, attempt=attempt, first_attempt=attempt)
         episode.owner = max(mine, key=lambda r: r.turn).owner
         episode.turns = appended + 1 if parked else appended
         episode.awaiting = episode.turns if parked else None
