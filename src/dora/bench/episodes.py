@@ -1,6 +1,6 @@
 """``dora bench episodes``: does an engine keep decoding while episodes wait on slow tools?
 
-Two workloads on one built-in engine (tiny preset, CPU), a real generator and a real
+Two workloads on one built-in engine (``--preset``, CPU), a real generator and a real
 environment service on a real (embedded) nats-server, each for ``--seconds``:
 
 - ``no_tools``: single-turn requests, ``--running`` of them decoding at once (the generator
@@ -70,7 +70,14 @@ def _request(i: int, max_tokens: int) -> Any:
 
 
 async def _workload(
-    url: str, run: str, tools: bool, seconds: float, running: int, parked: int, turns: int
+    url: str,
+    run: str,
+    tools: bool,
+    seconds: float,
+    running: int,
+    parked: int,
+    turns: int,
+    preset: str,
 ) -> dict[str, Any]:
     from dora.bus import NatsBus
     from dora.engines.torch import EngineConfig, TorchEngine
@@ -87,7 +94,7 @@ async def _workload(
     bus = NatsBus(Subjects(run), url)
     await bus.connect()
     config = EngineConfig(num_blocks=8192, max_num_seqs=running, max_num_batched_tokens=2048)
-    engine = TorchEngine.from_preset("tiny", seed=0, config=config, engine_id="engine-0")
+    engine = TorchEngine.from_preset(preset, seed=0, config=config, engine_id="engine-0")
     episodes = (
         EpisodeConfig(environment="slow", turn_stop_strings=(TURN_END,), reply_timeout_s=60)
         if tools
@@ -131,6 +138,7 @@ async def _workload(
         await bus.close()
     return {
         "workload": "tools" if tools else "no_tools",
+        "preset": preset,
         "tokens_per_s": round(tokens / elapsed, 1),
         "decoding_mean": round(sum(d for d, _ in samples) / len(samples), 1),
         "parked_mean": round(sum(p for _, p in samples) / len(samples), 1),
@@ -138,11 +146,14 @@ async def _workload(
     }
 
 
-def measure(url: str, seconds: float, running: int, parked: int, turns: int) -> list[dict]:
+def measure(
+    url: str, seconds: float, running: int, parked: int, turns: int, preset: str
+) -> list[dict]:
     rows = []
     for i, tools in enumerate((False, True)):
+        run = f"benche{i}"
         rows.append(
-            asyncio.run(_workload(url, f"benche{i}", tools, seconds, running, parked, turns))
+            asyncio.run(_workload(url, run, tools, seconds, running, parked, turns, preset))
         )
     base = rows[0]["tokens_per_s"]
     for row in rows:
@@ -156,6 +167,7 @@ def cli(
     parked: int = typer.Option(64, "--parked", min=0, help="Episodes parked on tools, at most."),
     turns: int = typer.Option(4, "--turns", min=2, help="Assistant turns per episode."),
     threads: int = typer.Option(1, "--threads", min=1, help="torch threads."),
+    preset: str = typer.Option("tiny", "--preset", help="Model preset of the engine."),
     results_dir: Path = typer.Option(Path("runs/bench"), "--results-dir"),
 ) -> None:
     """Engine tokens/s with episodes parked on 2-5 s tools, against no tools (table + JSON)."""
@@ -171,8 +183,14 @@ def cli(
         tempfile.TemporaryDirectory(prefix="dora-bench-episodes-") as tmp,
         NatsServer(Path(tmp)) as server,
     ):
-        rows = measure(server.url, seconds, running, parked, turns)
+        rows = measure(server.url, seconds, running, parked, turns, preset)
     print_table("dora bench episodes: engine tokens/s while episodes wait on 2-5 s tools", rows)
-    meta = {"seconds": seconds, "running": running, "parked": parked, "turns": turns}
+    meta = {
+        "seconds": seconds,
+        "running": running,
+        "parked": parked,
+        "turns": turns,
+        "preset": preset,
+    }
     path = save_rows("episodes", rows, meta=meta, results_dir=results_dir)
     typer.echo(f"saved {path}")

@@ -137,14 +137,16 @@ class Generator:
         try:
             while not self._stop.is_set():
                 await self._maybe_load_weights()
-                if await self.core.has_work():
+                if not await self.core.has_work():
+                    await self._idle_wait()
+                elif self.episodes is None:
                     for trajectory in await self.core.step():
                         await self._finish(trajectory)
-                    if self.episodes is not None:
-                        ends = await self.core.call(self.engine.take_turn_ends)  # type: ignore[attr-defined]
-                        await self.episodes.turn_ends(ends)
-                else:
-                    await self._idle_wait()
+                else:  # the step and the turns it parked, in one engine-thread job
+                    finished, ends = await self.core.step_turns()
+                    for trajectory in finished:
+                        await self._finish(trajectory)
+                    await self.episodes.turn_ends(ends)
         finally:
             await cancel_all(tasks)
             await control.unsubscribe()

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from dora.bus import Message
-from dora.engines.base import Engine, EngineError, PartialOutput, VersionMismatch
+from dora.engines.base import Engine, EngineError, PartialOutput, TurnEnd, VersionMismatch
 from dora.events import EngineStatus, RolloutRequest, Trajectory
 from dora.rollout.generator_config import GeneratorConfig, GeneratorStats
 from dora.rollout.partial import resumed, retag
@@ -147,6 +147,14 @@ class GeneratorCore:
 
     async def step(self) -> list[Trajectory]:
         return await self.call(self.engine.step)
+
+    async def step_turns(self) -> tuple[list[Trajectory], list[TurnEnd]]:
+        """One step, and the multi-turn requests it parked: one job on the engine thread."""
+        return await self.call(self._step_turns)
+
+    def _step_turns(self) -> tuple[list[Trajectory], list[TurnEnd]]:
+        finished = self.engine.step()
+        return finished, self.engine.take_turn_ends()  # type: ignore[attr-defined]
 
     def finish(self, trajectory: Trajectory) -> Message | None:
         """The trajectory is stored: the lease to ack (None for a request no longer held)."""
