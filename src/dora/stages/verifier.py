@@ -45,13 +45,7 @@ class VerifierStage(Stage):
     async def handle(self, traj: Trajectory, ctx: Context) -> ScoredTrajectory:
         event_id = derived_id(traj.event_id, "scored")
         if traj.error:  # a failed episode: kept, scored 0, and the learner leaves it out
-            return ScoredTrajectory(
-                event_id=event_id,
-                trajectory=traj,
-                reward=0.0,
-                verifier=self.verifier.name,
-                error=f"trajectory failed: {traj.error}",
-            )
+            return self._zero(event_id, traj, f"trajectory failed: {traj.error}")
         episode = traj.episode
         if episode is not None and episode.reward is not None:  # the environment's reward
             return ScoredTrajectory(
@@ -65,13 +59,7 @@ class VerifierStage(Stage):
             result = self.verifier.verify(traj.text, traj.request.prompt)
         except Exception as exc:
             ctx.log.warning("verifier failed", error=repr(exc))
-            return ScoredTrajectory(
-                event_id=event_id,
-                trajectory=traj,
-                reward=0.0,
-                verifier=self.verifier.name,
-                error=f"{type(exc).__name__}: {exc}",
-            )
+            return self._zero(event_id, traj, f"{type(exc).__name__}: {exc}")
         return ScoredTrajectory(
             event_id=event_id,
             trajectory=traj,
@@ -79,4 +67,10 @@ class VerifierStage(Stage):
             correct=result.correct,
             verifier=self.verifier.name,
             details=result.details,
+        )
+
+    def _zero(self, event_id: str, traj: Trajectory, error: str) -> ScoredTrajectory:
+        """Scored 0 with the reason: never dropped, the learner still sees it."""
+        return ScoredTrajectory(
+            event_id=event_id, trajectory=traj, reward=0.0, verifier=self.verifier.name, error=error
         )
