@@ -38,6 +38,9 @@ from dora.testing.learner_standin import LearnerStandin, StandinConfig
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
 
 G, B, K, STEPS = 4, 2, 2, 6
+PROMPTS = B * (STEPS + K)
+"""Spare groups: a step that takes an urgent group beside its B ("oversize") leaves the last
+step short of one; with exactly B x STEPS prompts the learner then waited forever."""
 MAX_TOKENS = 600
 """Room for the tiny model's natural tail (up to ~350 tokens here): with a 160 cap the last
 old-version requests finished within a tick or two of the new version, and only half the runs
@@ -129,9 +132,9 @@ async def live_run(bus: NatsBus) -> bool:
         ),
         generator=GeneratorConfig(engine_id="_", max_running=8, status_interval_s=0.1),
         orchestrator=OrchestratorServiceConfig(tick_s=0.1, policy=policy),
-        max_prompts=B * STEPS,
+        max_prompts=PROMPTS,
     )
-    for i in range(B * STEPS):
+    for i in range(PROMPTS):
         prompt = Prompt(event_id=f"prompt-{i}", prompt_id=f"p{i}", text=f"{i}+{i}=", answer="")
         await bus.publish_event(s.prompts, prompt)
 
@@ -153,16 +156,18 @@ async def live_run(bus: NatsBus) -> bool:
             assert traj.request.request_id not in trajectories, "duplicate trajectory"
             trajectories[traj.request.request_id] = traj
             await msg.ack()
-    # exactly one trajectory per dispatched request
-    assert dispatched == B * STEPS * G
-    assert len(trajectories) == dispatched
+    # at most one trajectory per dispatched request (the spare groups may still be running
+    # when the learner's last step ends the run)
+    assert B * STEPS * G <= dispatched <= PROMPTS * G
+    assert len(trajectories) <= dispatched
     # one version per trajectory, no re-prefill
     for traj in trajectories.values():
         assert traj.version == traj.request.version
         assert traj.token_versions == () and traj.reprefilled_tokens == 0
     # staleness at consumption <= K, nothing dropped
     consumed = [rid for rec in learner.consumed for rid in rec.request_ids]
-    assert sorted(consumed) == sorted(trajectories)
+    assert len(set(consumed)) == len(consumed) and set(consumed) <= set(trajectories)
+    assert len(consumed) >= B * STEPS * G
     for rec in learner.consumed:
         assert all(rec.step - v <= K for v in rec.versions), rec
     # at least one moment with requests of two versions in flight (dispatched, not finished)
