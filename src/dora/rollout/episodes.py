@@ -12,7 +12,7 @@ are masked out of the loss.
 Replies are stored (``env_replies.<episode>``) and read live by every generator; a generator
 that imports a migrated episode reads the stored ones to learn where it stands, so a reply
 reaches the episode's engine even after it moved. The episode's record (per-turn rewards and
-metrics, tool calls, errors) is read from the same stored replies when it ends.
+metrics, tool calls, errors) is built from its replies (the stored ones, after a move).
 
 Failures: a reply not received within ``reply_timeout_s``, a ``lost`` reply (the replica
 restarted) or an environment error retries the episode ``retries`` times on a fresh
@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
@@ -78,6 +78,8 @@ class Episode:
     deadline: float = 0.0
     ended: Trajectory | None = None
     """Cut off by the length limit: published once the environment has seen its last turn."""
+    replies: dict[int, EnvReply] = field(default_factory=dict)
+    """This attempt's replies by turn (read from the stored ones after a migration)."""
 
 
 @dataclass
@@ -135,8 +137,10 @@ class Episodes:
         if self.core.engine.version != version or self.core.assigned != version:
             return "not_ours"
         self.core.opening[rid] = Held(lease)
-        earlier = [r.attempt for r in await self.stored_replies(rid)]
-        attempt = max(earlier) + 1 if earlier else 0
+        attempt = 0
+        if lease.num_delivered > 1:  # handed back or redelivered: it may have been started
+            earlier = [r.attempt for r in await self.stored_replies(rid)]
+            attempt = max(earlier) + 1 if earlier else 0
         episode = Episode(request, version, queue, attempt=attempt, first_attempt=attempt)
         self.live[rid] = episode
         self.stats.opened += 1
@@ -229,6 +233,7 @@ class Episodes:
             return  # moving: the importing engine reads it from the stored replies
         episode.awaiting = None
         episode.owner = reply.owner
+        episode.replies[reply.turn] = reply
         self.core.parked.discard(reply.episode_id)
         if reply.lost or reply.error:
             await self._retry_or_fail(episode, reply.error or "environment lost the episode")
@@ -263,7 +268,7 @@ class Episodes:
         rid = episode.request.request_id
         self.live.pop(rid, None)
         self.core.parked.discard(rid)
-        record = await self._record(episode, error)
+        record = self._record(episode, error)
         update: dict[str, object] = {"episode": record, "text": self._assistant_text(trajectory)}
         if error:
             update |= {
@@ -281,12 +286,8 @@ class Episodes:
         spans = [t for t in trajectory.turns if t.role == "assistant"]
         return "".join(self.decode(list(ids[t.start : t.end])) for t in spans)
 
-    async def _record(self, episode: Episode, error: str) -> EpisodeRecord:
-        replies = {
-            r.turn: r
-            for r in await self.stored_replies(episode.request.request_id)
-            if r.attempt == episode.attempt and r.turn > 0
-        }
+    def _record(self, episode: Episode, error: str) -> EpisodeRecord:
+        replies = {turn: r for turn, r in episode.replies.items() if turn > 0}
         ordered = [replies[t] for t in sorted(replies)]
         metrics = [r.metrics for r in ordered]
         final = ordered[-1] if ordered else None
@@ -319,6 +320,7 @@ class Episodes:
             self.core.opening[rid] = held
         episode.attempt += 1
         episode.turns, episode.owner, episode.ended = 0, "any", None
+        episode.replies = {}
         self.stats.retried += 1
         await self._send(episode, 0)
 
@@ -363,6 +365,7 @@ class Episodes:
         mine = [r for r in replies if r.attempt == attempt]
         episode = Episode(request, request.version, None, attempt=attempt, first_attempt=attempt)
         episode.owner = max(mine, key=lambda r: r.turn).owner
+        episode.replies = {r.turn: r for r in mine}
         episode.turns = appended + 1 if parked else appended
         episode.awaiting = episode.turns if parked else None
         episode.deadline = time.monotonic() + self.config.reply_timeout_s
