@@ -7,6 +7,9 @@ request, publishes ``EngineStatus`` every ``status_interval_s``, heartbeats the 
 holds, and answers control commands by request-reply on ``control.<engine>`` (assign, drain,
 prioritize, and the migrator's export / import / release / restore).
 
+With ``GeneratorConfig.episodes`` every request is a multi-turn episode: the shell hands
+opening, parked turns, replies and migrations to ``dora.rollout.episodes.Episodes``.
+
 Delivery: a request's queue message stays unacked while it is generated and is acked only
 after its trajectory is stored; a crash anywhere means redelivery under the request's own
 version. Trajectory event ids derive from request ids, so a regenerated duplicate is dropped
