@@ -131,10 +131,7 @@ class Episodes:
         if rid in self.core.opening:
             self.core.opening[rid].lease = lease
             return "renewed"
-        source = version if queue is None else queue
-        if request.version != source:
-            raise EngineError(f"request tagged v{request.version} arrived on the v{source} queue")
-        if self.core.engine.version != version or self.core.assigned != version:
+        if not self.core.admissible(request, version, queue):
             return "not_ours"
         self.core.opening[rid] = Held(lease)
         attempt = 0

@@ -110,10 +110,7 @@ class GeneratorCore:
         """Add ``request``, pulled for ``version`` from its queue (or from an older ``queue`` in
         partial rollout, where it is retagged). ``not_ours``: reassigned while the fetch was in
         flight, hand it back. Raises ``EngineError`` for a request the engine cannot serve."""
-        source = version if queue is None else queue
-        if request.version != source:
-            raise EngineError(f"request tagged v{request.version} arrived on the v{source} queue")
-        if self.engine.version != version or self.assigned != version:
+        if not self.admissible(request, version, queue):
             return "not_ours"  # maybe already loading the new weights: not a bad request
         held = self.held.get(request.request_id)
         if held is not None and not held.exported:
@@ -130,6 +127,15 @@ class GeneratorCore:
         self.held[request.request_id] = Held(lease)
         self.stats.pulled += 1
         return "added"
+
+    def admissible(self, request: RolloutRequest, version: int, queue: int | None) -> bool:
+        """Whether ``request``, pulled for ``version`` (from ``queue`` when older), may be
+        served now: False when the engine was reassigned meanwhile; ``EngineError`` for a
+        request tagged with another version than its queue's."""
+        source = version if queue is None else queue
+        if request.version != source:
+            raise EngineError(f"request tagged v{request.version} arrived on the v{source} queue")
+        return self.engine.version == version and self.assigned == version
 
     def _add_if_serving(self, request: RolloutRequest, version: int) -> bool:
         """Engine thread: add ``request`` only if the engine still serves ``version``. The
