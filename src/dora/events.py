@@ -488,6 +488,12 @@ class KVSnapshot(Event):
     parked: bool = Field(
         default=False, description="Exported at a turn boundary, waiting for its environment."
     )
+    parked_at: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="Wall time (unix s) it parked, when parked: how long its environment has "
+        "been working when it arrives.",
+    )
 
 
 class MigrationRecord(Event):

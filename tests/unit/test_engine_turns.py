@@ -4,10 +4,13 @@ turn; the trajectory is exactly the concatenation, masked where the environment 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from dora.engines.base import EngineError
+from dora.engines.snapshot import decode_snapshot
 from dora.engines.torch import TorchEngine
 from tests.unit.test_engine_support import make_engine, make_request
 
@@ -134,8 +137,11 @@ def test_a_parked_episode_moves_with_its_kv_and_stays_parked() -> None:
     source.restore_exported("ep")  # a failed move: parked again on the source
     assert source.episode_state("ep")[1:] == (True, 1) and not source.has_work()
     snapshot = source.export_request("ep")
+    parked_at = decode_snapshot(snapshot)[0].parked_at
+    assert 0 < parked_at <= time.time()  # when it parked: the target keeps that time
     target.import_request(snapshot)
     source.release_exported("ep")
+    assert target._get("ep").parked_at == parked_at
     assert target.episode_state("ep")[1:] == (True, 1) and not target.has_work()
     before = target.counters.prefill_tokens
     second = target.tokenizer.encode("<r>2</r>", add_bos=False)

@@ -111,3 +111,88 @@ def test_resumed_request_reports_which_version_made_each_token() -> None:
     n = len(t.completion_token_ids)
     assert t.token_versions == (0,) * done + (1,) * (n - done)
     assert t.reprefilled_tokens >= done
+
+
+def _agentic(name: str) -> SimEngine:
+    e = SimEngine(name, "dense-7b", "agentic", seed=0)
+    e.load_weights(0)
+    return e
+
+
+def _until_tool_wait(e: SimEngine) -> None:
+    """Advance until its one request waits for a tool (between two turns)."""
+    while e.core.num_tool_waiting == 0:
+        e.core.advance_to(e.core.next_event_time())
+        assert e.has_work()
+
+
+def _multi_turn_request(min_turns: int = 3) -> RolloutRequest:
+    probe = _agentic("probe")
+    for i in range(200):
+        spec = probe._build(_request(i)).spec
+        if len(spec.segments) >= min_turns:
+            return _request(i)
+    raise AssertionError("no multi-turn request in 200 draws")
+
+
+def test_a_request_waiting_for_its_tool_migrates_and_keeps_waiting() -> None:
+    """Exported between turns: the snapshot says parked and since when; the target waits out
+    the rest of the tool call, prefills only the tool reply, and the episode ends with every
+    turn, the same tokens as without the move, and no re-prefill."""
+    request = _multi_turn_request()
+    ref = _agentic("ref")
+    ref.add_request(request)
+    want = _drain(ref)[request.request_id]
+    src, dst = _agentic("src"), _agentic("dst")
+    src.add_request(request)
+    _until_tool_wait(src)
+    (waiter,) = src.core.requests()
+    ready = waiter.tool_ready_at
+    assert src.status().parked == 1 and src.status().requests[0].parked
+    blob = src.export_request(request.request_id)
+    from dora.engines.snapshot import decode_snapshot
+
+    header = decode_snapshot(blob)[0]
+    assert header.parked and header.parked_at == pytest.approx(
+        src._wall(ready - waiter.spec.tool_latency[waiter.seg - 1])
+    )
+    dst.import_request(blob)
+    src.release_exported(request.request_id)
+    (moved,) = dst.core.requests()
+    assert moved.tool_ready_at == pytest.approx(ready, abs=1e-3)  # the clocks share an epoch
+    assert dst.status().parked == 1
+    spec, first = moved.spec, moved.seg - 1
+    replies = [  # the pending reply and the later ones, each appended to a resident context
+        dst.cost.prefill_time(
+            spec.tool_tokens[i],
+            spec.prompt_len + sum(spec.segments[: i + 1]) + sum(spec.tool_tokens[:i]),
+        )
+        for i in range(first, len(spec.tool_tokens))
+    ]
+    prefill_before = dst.core.prefill_s
+    dst.core.advance_to(ready - 1e-3)
+    assert dst.core.num_tool_waiting == 1 and dst.core.num_running == 0  # still waiting
+    (t,) = _drain(dst).values()
+    assert t.completion_token_ids == want.completion_token_ids
+    assert [turn.role for turn in t.turns] == [turn.role for turn in want.turns]
+    assert t.reprefilled_tokens == 0 and moved.recomputed == 0
+    assert dst.core.prefill_s - prefill_before == pytest.approx(sum(replies))
+    assert moved.finished_at > ready
+
+
+def test_a_multi_turn_request_resumes_at_its_next_turn() -> None:
+    """Partial rollout: an interrupted multi-turn request resumes where it stood (turn and
+    token), re-prefilling its context, and finishes with every turn."""
+    request = _multi_turn_request()
+    e = _agentic("e0")
+    e.add_request(request)
+    _until_tool_wait(e)
+    part = e.abort(request.request_id)
+    from dora.rollout.partial import resumed
+
+    e.load_weights(1)
+    e.add_request(resumed(part, loaded=0, version=1))
+    (t,) = _drain(e).values()
+    assert t.reprefilled_tokens >= len(part.token_ids) > 0
+    assert t.completion_token_ids[: len(part.token_ids)] == part.token_ids
+    assert sum(1 for turn in t.turns if turn.role == "assistant") >= 3

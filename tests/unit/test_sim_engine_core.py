@@ -135,3 +135,84 @@ def test_version_mismatch_is_refused() -> None:
     core.version = 1
     with pytest.raises(ValueError, match="version"):
         core.add(_reqs([10])[0])
+
+
+def test_resident_kv_of_queued_requests_is_dropped_before_a_livelock() -> None:
+    """Imports (and woken tool waiters) keep their KV while queued; when that resident KV
+    alone fills the cache, the core drops it (they recompute later) rather than preempting
+    and re-admitting its one running request forever."""
+    small = DENSE_32B.with_overrides(hbm_bytes=70e9 / 0.9 + 4e9 / 0.9)  # ~19k KV tokens
+    sources = [TimingCore(small, i) for i in range(2)]
+    dst = TimingCore(small, 2, max_seqs=1)  # the imports beyond one stay queued
+    reqs = _reqs([7000] * 4)
+    for i, r in enumerate(reqs):
+        sources[i % 2].version = 0
+        sources[i % 2].add(r)
+    t = 0.0
+    while min(r.generated for r in reqs) < 5000:
+        t += 10.0
+        for src in sources:
+            src.advance_to(t)
+            src.requests()
+    moved = [sources[i % 2].remove(r.rid, keep_kv=True) for i, r in enumerate(reqs)]
+    dst.version = 0
+    for r in moved:
+        dst.import_request(r, t)
+    assert dst.kv_used() > dst.capacity  # the imports overflow the cache
+    finished = dst.run_until_idle()
+    assert sorted(r.rid for r in finished) == [r.rid for r in reqs]
+    assert all(r.generated == 7000 for r in finished)
+    assert sum(r.recomputed for r in finished) > 0
+    assert dst.kv_used() == 0
+
+
+def test_a_request_larger_than_the_cache_is_an_error_not_a_hang() -> None:
+    small = DENSE_32B.with_overrides(hbm_bytes=70e9 / 0.9 + 4e9 / 0.9)  # ~19k KV tokens
+    core = TimingCore(small)
+    core.version = 0
+    core.add(_reqs([25_000])[0])
+    with pytest.raises(ValueError, match="kv_capacity"):
+        core.run_until_idle()
+
+
+def _in_tool_wait(core: TimingCore) -> SimRequest:
+    spec = next(s for g in range(50) for s in AGENTIC.group(0, g, 1) if len(s.segments) >= 3)
+    core.version = 0
+    core.add(SimRequest(0, 0, 0, 0, spec))
+    while core.num_tool_waiting == 0:
+        core.advance_to(core.next_event_time())
+    return core.requests()[0]
+
+
+def test_an_interrupted_tool_waiter_still_waits_for_its_tool() -> None:
+    """Partial rollout drops its KV but not its tool call: re-added, it waits for the answer,
+    then prefills its whole context (counted by the caller as re-prefill)."""
+    core = TimingCore(DENSE_7B)
+    req = _in_tool_wait(core)
+    ready = req.tool_ready_at
+    assert core.kv_holders() == {req.rid}
+    (back,) = core.interrupt_all()
+    assert back.prefill == back.context and core.kv_used() == 0
+    core.add(back)
+    core.advance_to(ready - 1e-3)
+    assert core.num_tool_waiting == 1 and core.num_running == 0 and core.kv_used() == 0
+    p0 = core.prefill_s
+    core.advance_to(ready)
+    tool = req.spec.tool_tokens[req.seg - 1]
+    assert core.num_running == 1
+    assert core.prefill_s - p0 == pytest.approx(DENSE_7B.prefill_time(req.context))
+    assert req.context == req.spec.prompt_len + req.spec.segments[0] + tool
+    (done,) = core.run_until_idle()
+    assert done.generated == req.spec.decode_tokens and done.recomputed == 0
+
+
+def test_an_evicted_tool_waiter_is_charged_once() -> None:
+    """KV pressure evicts a tool waiter: its recompute is counted when evicted, it prefills
+    its whole context when the tool answers, and it is never counted twice."""
+    core = TimingCore(DENSE_7B)
+    req = _in_tool_wait(core)
+    context = req.context
+    assert core._evict_tool_waiter() and req.recomputed == context
+    assert core.kv_used() == 0 and core.kv_holders() == set()
+    (done,) = core.run_until_idle()
+    assert done.recomputed == context and done.generated == req.spec.decode_tokens

@@ -221,7 +221,7 @@ class PartialSyncDriver(Driver):
         self.carried = []
         for e, core in enumerate(self.fleet.cores):  # stop: carry what is unfinished
             self.fleet.touch(e)
-            self.carried.append((core.version or 0, set(core.running), core.interrupt_all()))
+            self.carried.append((core.version or 0, core.kv_holders(), core.interrupt_all()))
         self.train(batch)
 
     def after_train(self, step: int) -> None:
@@ -236,7 +236,7 @@ class PartialSyncDriver(Driver):
         self.top_up()
 
 
-def resume_first(core: Any, held: list[Any], old: int, had_kv: set[str]) -> None:
+def resume_first(core: Any, held: list[Any], old: int, had_kv: set[int]) -> None:
     """Partial rollout after a weight load: the interrupted requests go back first, their
     tokens so far credited to ``old``; those that had KV pay a re-prefill of their context."""
     for req in held:
@@ -355,7 +355,7 @@ class PartialDriver(StreamingDriver):
         for e, core in enumerate(fleet.cores):
             fleet.touch(e)
             old = core.version or 0
-            had_kv = set(core.running)
+            had_kv = core.kv_holders()
             held = core.interrupt_all()
             core.load_weights(version, fleet.now)
             resume_first(core, held, old, had_kv)

@@ -42,7 +42,8 @@ class SimRequest:
     generated: int = 0  # decoded tokens of finished segments + seg_done
     context: int = 0  # tokens whose KV this request holds (or would hold once prefilled)
     prefill: int = 0  # tokens to prefill when next admitted
-    kv_held: int = 0  # tokens of KV already resident on the engine while waiting
+    kv_held: int = 0  # tokens of KV resident on the engine while queued: context - prefill
+    tool_ready_at: float = -1.0  # virtual time its pending tool call answers (-1: none)
     reprefilled: int = 0  # tokens prefilled again after an interruption (partial rollout)
     recomputed: int = 0  # tokens prefilled again after a KV-full preemption
     migrations: int = 0
@@ -105,7 +106,7 @@ class TimingCore:
         self._waiting_ids: dict[int, SimRequest] = {}
         self._waiting_prefill = 0
         self._tools: list[tuple[float, int, SimRequest]] = []
-        self._evicted: set[int] = set()  # tool waiters whose KV was dropped
+        self._evicted: set[int] = set()  # tool waiters with no KV here (dropped or never had)
         self._seq = itertools.count()
         # accounting
         self.busy_s = 0.0
@@ -150,6 +151,13 @@ class TimingCore:
             + [r for _, _, r in self._tools]
         )
 
+    def kv_holders(self) -> set[int]:
+        """Requests whose KV is resident now: running, queued with resident KV, tool waiters
+        not evicted (what a partial-rollout interrupt makes re-prefill)."""
+        held = {rid for rid, r in self._waiting_ids.items() if r.kv_held}
+        held.update(r.rid for _, _, r in self._tools if r.rid not in self._evicted)
+        return held | set(self.running)
+
     def can_accept(self, prefill_tokens: int) -> bool:
         """Room for one more request now (the pull-consumer backpressure of a generator)."""
         if len(self.running) + len(self._waiting_ids) >= self.max_seqs:
@@ -177,7 +185,8 @@ class TimingCore:
 
     # ------------------------------------------------------------------ commands
     def add(self, req: SimRequest, now: float | None = None) -> None:
-        """Queue a fresh (or resumed) request; it prefills ``req.prefill`` tokens on admission."""
+        """Queue a fresh (or resumed) request; it prefills ``req.prefill`` tokens on admission.
+        One whose tool call is still pending waits for it first, with no KV here."""
         if self.strict_versions and self.version is not None and req.version != self.version:
             raise ValueError(
                 f"version: request {req.rid} is v{req.version}, engine {self.engine_id} "
@@ -190,15 +199,22 @@ class TimingCore:
             req.prefill = req.spec.prompt_len
         if not req.engines or req.engines[-1] != self.engine_id:
             req.engines.append(self.engine_id)
+        if req.tool_ready_at >= 0:
+            req.prefill = req.context
+            self._push_tool_wait(req, kv=False)
+            return
         self._push_waiting(req, front=bool(req.generated))
 
     def import_request(self, req: SimRequest, now: float) -> None:
-        """Take a migrated request whose KV (``req.context`` tokens) arrives with it."""
+        """Take a migrated request whose KV (``req.context - req.prefill`` tokens: all but
+        a tool reply not yet prefilled) arrives with it; a pending tool call keeps waiting."""
         self.advance_to(now)
-        req.kv_held = req.context
-        req.prefill = 0
-        self.held += req.context
         req.engines.append(self.engine_id)
+        if req.tool_ready_at >= 0:
+            self._push_tool_wait(req, kv=req.prefill < req.context)
+            return
+        req.kv_held = req.context - req.prefill
+        self.held += req.kv_held
         self._push_waiting(req, front=True)
 
     def remove(self, rid: int, keep_kv: bool) -> SimRequest:
@@ -222,8 +238,10 @@ class TimingCore:
                         heapq.heapify(self._tools)
                         if r.rid in self._evicted:
                             self._evicted.discard(r.rid)
+                            req.prefill = req.context  # no KV to take along
                         else:
                             self.held -= r.context
+                            req.prefill = 0
                         break
                 if req is None:
                     raise KeyError(f"request_id: {rid} is not on engine {self.engine_id}")
@@ -279,7 +297,13 @@ class TimingCore:
             self._admit()
             n = len(self.running)
             if n and (self.capacity - self.context - self.held) // n <= 0:
-                if not self._evict_tool_waiter():
+                if not (self._evict_tool_waiter() or self._drop_queued_kv()):
+                    if n == 1:  # nothing else holds KV: preempting it would re-admit it
+                        req = next(iter(self.running.values()))
+                        raise ValueError(
+                            f"kv_capacity: request {req.rid} outgrows engine "
+                            f"{self.engine_id}'s {self.capacity} KV tokens on its own"
+                        )
                     self._preempt_youngest()
                 continue
             if self.clock >= t:
@@ -318,14 +342,14 @@ class TimingCore:
         """Requests whose tool answered by now rejoin the queue (front)."""
         while self._tools and self._tools[0][0] <= self.clock:
             _, _, req = heapq.heappop(self._tools)
+            req.tool_ready_at = -1.0
             tool = req.spec.tool_tokens[req.seg - 1]
-            if req.rid in self._evicted:  # its KV was dropped under pressure: recompute
+            req.context += tool
+            if req.rid in self._evicted:  # no KV here (evicted, or resumed without it)
                 self._evicted.discard(req.rid)
-                req.recomputed += req.context
-                req.context += tool
                 req.kv_held, req.prefill = 0, req.context
             else:
-                req.kv_held = req.context  # stays counted in self.held until admitted
+                req.kv_held = req.context - tool  # stays counted in self.held until admitted
                 req.prefill = tool
             self._push_waiting(req, front=True)
 
@@ -377,10 +401,18 @@ class TimingCore:
                 req.finished_at = self.clock
                 finished.append(req)
             else:  # tool call: keep the KV, wake when the tool answers
-                self.held += req.context
-                lat = req.spec.tool_latency[req.seg - 1]
-                heapq.heappush(self._tools, (self.clock + lat, next(self._seq), req))
+                req.tool_ready_at = self.clock + req.spec.tool_latency[req.seg - 1]
+                self._push_tool_wait(req, kv=True)
             self._blocked = False
+
+    def _push_tool_wait(self, req: SimRequest, kv: bool) -> None:
+        """Park a request until ``req.tool_ready_at``, holding its KV here or not."""
+        self.changes += 1
+        if kv:
+            self.held += req.context
+        else:
+            self._evicted.add(req.rid)
+        heapq.heappush(self._tools, (req.tool_ready_at, next(self._seq), req))
 
     def _push_waiting(self, req: SimRequest, front: bool) -> None:
         self.changes += 1
@@ -414,10 +446,7 @@ class TimingCore:
             self._waiting_prefill -= req.prefill
             self.held -= req.kv_held
             if req.prefill:
-                start = req.kv_held
-                prefill_s += self.cost.prefill_time(req.prefill, start)
-                if req.kv_held:  # tool output appended to a resident context
-                    req.context = req.kv_held + req.prefill
+                prefill_s += self.cost.prefill_time(req.prefill, req.kv_held)
             req.kv_held = 0
             req.prefill = 0
             if req.started_at < 0:
@@ -448,6 +477,28 @@ class TimingCore:
         req = best[2]
         self._evicted.add(req.rid)
         self.held -= req.context
+        req.recomputed += req.context  # it prefills this again when the tool answers
+        req.prefill = req.context
+        self.preemptions += 1
+        return True
+
+    def _drop_queued_kv(self) -> bool:
+        """Drop the resident KV of the last queued request that has some (an import or a woken
+        tool waiter): it recomputes when admitted. Without this, resident KV of queued requests
+        that alone fills the cache would preempt and re-admit a lone running request forever."""
+        queued = [
+            e for e in self._waiting if e[2].kv_held and self._waiting_ids.get(e[2].rid) is e[2]
+        ]
+        if not queued:
+            return False
+        last = max(queued, key=lambda e: e[:2])
+        req = last[2]
+        self.changes += 1
+        self.held -= req.kv_held
+        self._waiting_prefill += req.kv_held
+        req.recomputed += req.kv_held
+        req.prefill = req.context
+        req.kv_held = 0
         self.preemptions += 1
         return True
 

@@ -130,10 +130,11 @@ class SimEngine:
             raise EngineError(f"request_id: {request.request_id} is already on {self.engine_id}")
         req = self._build(request)
         if request.resume is not None and request.resume.token_ids:
+            # partial rollout: a multi-turn request resumes at the start of its next turn
+            # (the tool's remaining wait is not carried by a resume; see docs/performance.md)
             done = len(request.resume.token_ids)
-            if len(req.spec.segments) != 1 or done >= req.spec.decode_tokens:
+            if not _seek(req, done):
                 raise EngineError(f"resume: cannot resume {request.request_id} at token {done}")
-            req.seg_done = req.generated = done
             req.context = req.prefill = req.spec.prompt_len + done
             req.reprefilled = request.resume.reprefilled_tokens + req.context
         self.core.add(req)
@@ -209,6 +210,8 @@ class SimEngine:
         req = self._sim(request_id)
         request, migrations = self._meta[req.rid]
         self._exported[request_id] = req
+        parked = req.tool_ready_at >= 0  # waiting for its tool: it goes on waiting there
+        lat = req.spec.tool_latency[req.seg - 1] if parked else 0.0
         header = KVSnapshot(
             request=request,
             version=req.version,
@@ -218,8 +221,8 @@ class SimEngine:
             num_layers=self.cost.num_layers,
             num_kv_heads=self.cost.num_kv_heads,
             head_dim=self.cost.head_dim,
-            num_blocks=-(-req.context // BLOCK),
-            num_cached_tokens=req.context,
+            num_blocks=-(-(req.context - req.prefill) // BLOCK),
+            num_cached_tokens=req.context - req.prefill,
             completion_token_ids=self._completion(req, request),
             logprobs=(-1.0,) * req.completion_tokens,
             engines=tuple(self._engines(req)),
@@ -228,6 +231,8 @@ class SimEngine:
             first_token_at=self._wall(req.started_at),
             kv_bytes=0,
             reprefilled_tokens=req.reprefilled,
+            parked=parked,
+            parked_at=self._wall(req.tool_ready_at - lat) if parked else 0.0,
         )
         return encode_snapshot(header, b"")  # KV size is counted (kv_bytes()), not sent
 
@@ -275,9 +280,15 @@ class SimEngine:
         )
         req = self._build(request, [*header.migrations, move])
         done = len(header.completion_token_ids)
-        if len(req.spec.segments) == 1:
-            req.seg_done = req.generated = done
-        req.context = tokens
+        if not _seek(req, done):
+            raise EngineError(f"snapshot: {request.request_id} cannot be at token {done}")
+        if header.parked:  # its tool answers when it would have on the source
+            lat = req.spec.tool_latency[req.seg - 1]
+            req.tool_ready_at = (header.parked_at - self._epoch) * (self.time_scale or 1.0) + lat
+            req.context, req.prefill = tokens, 0
+        else:  # the part of its context with no KV (a tool reply) is prefilled here
+            req.context = req.spec.prompt_len + done
+            req.prefill = req.context - tokens
         req.reprefilled = header.reprefilled_tokens
         req.migrations = len(header.migrations) + 1
         self.core.import_request(req, self.core.clock)
@@ -296,6 +307,7 @@ class SimEngine:
             state="serving" if core.has_work() else "idle",
             running=n,
             waiting=core.num_waiting,
+            parked=core.num_tool_waiting,
             kv_blocks_used=-(-core.kv_used() // BLOCK),
             kv_blocks_total=core.capacity // BLOCK,
             block_size=BLOCK,
@@ -307,8 +319,9 @@ class SimEngine:
                     version=r.version,
                     generated=r.generated,
                     max_tokens=self._meta[r.rid][0].sampling.max_tokens,
-                    kv_blocks=-(-r.context // BLOCK),
+                    kv_blocks=-(-(r.context - r.prefill) // BLOCK),
                     dispatched_at=r.dispatched_at,
+                    parked=r.tool_ready_at >= 0,
                 )
                 for r in reqs
             ),
@@ -371,6 +384,23 @@ class SimEngine:
                 decode_s=max(0.0, finished - started),
             ),
         )
+
+
+def _seek(req: SimRequest, done: int) -> bool:
+    """Place ``req`` at ``done`` completion tokens (turns and tool replies); False when no
+    unfinished position of its spec has that many."""
+    spec, left, generated = req.spec, done, 0
+    for i, seg in enumerate(spec.segments):
+        if left < seg:
+            req.seg, req.seg_done, req.generated = i, left, generated + left
+            return True
+        left -= seg
+        generated += seg
+        if i < len(spec.tool_tokens):
+            left -= spec.tool_tokens[i]
+        if left < 0:
+            return False  # inside a tool reply: never a stopping point
+    return False
 
 
 def _clip(spec: RequestSpec, max_tokens: int) -> RequestSpec:

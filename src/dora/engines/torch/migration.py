@@ -60,6 +60,7 @@ def export_sequence(engine: TorchEngine, seq: Sequence) -> bytes:
         turn_start=seq.turn_start,
         recompute_tokens=seq.recompute_hw,
         parked=seq.status is SeqStatus.PARKED,
+        parked_at=seq.parked_at if seq.status is SeqStatus.PARKED else 0.0,
     )
     return encode_snapshot(header, payload)
 
@@ -166,5 +167,6 @@ def import_sequence(engine: TorchEngine, data: bytes) -> tuple[Sequence, bool]:
         first_token_at=h.first_token_at,
         appended=spans,
         turn_start=h.turn_start,
+        parked_at=h.parked_at if h.parked else 0.0,
     )
     return seq, h.parked

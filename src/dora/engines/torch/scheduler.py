@@ -15,6 +15,8 @@ on this engine (which serves its version), and those tokens count as re-prefille
 
 from __future__ import annotations
 
+import time
+
 import structlog
 
 from dora.engines.torch.block_manager import BlockManager
@@ -59,11 +61,13 @@ class Scheduler:
         """A turn boundary: keep its KV (while there is room), stop scheduling it."""
         self.remove(seq)
         seq.status = SeqStatus.PARKED
+        seq.parked_at = seq.parked_at or time.time()  # an imported one keeps its time
         self.parked.append(seq)
 
     def unpark(self, seq: Sequence) -> None:
         """Its reply was appended: decode on, or be prefilled again if its KV was evicted."""
         self.remove(seq)
+        seq.parked_at = 0.0
         if seq.block_table:
             self.add_running(seq)
         else:

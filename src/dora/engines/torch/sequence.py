@@ -53,6 +53,9 @@ class Sequence:
     turn_start: int = 0
     """Completion index where the current assistant turn began."""
     parked_before_export: bool = False
+    parked_at: float = 0.0
+    """Wall time it parked at the current turn boundary (0: not parked); kept across a
+    migration, so the target knows how long the environment has been working."""
     """Exported at a turn boundary: a restore parks it again."""
     engines: list[str] = field(default_factory=list)
     migrations: list[Migration] = field(default_factory=list)
