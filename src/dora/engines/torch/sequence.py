@@ -53,10 +53,10 @@ class Sequence:
     turn_start: int = 0
     """Completion index where the current assistant turn began."""
     parked_before_export: bool = False
+    """Exported at a turn boundary: a restore parks it again."""
     parked_at: float = 0.0
     """Wall time it parked at the current turn boundary (0: not parked); kept across a
     migration, so the target knows how long the environment has been working."""
-    """Exported at a turn boundary: a restore parks it again."""
     engines: list[str] = field(default_factory=list)
     migrations: list[Migration] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrival))
