@@ -237,8 +237,7 @@ class TimingCore:
                         self._tools.pop(i)
                         heapq.heapify(self._tools)
                         if r.rid in self._evicted:
-                            self._evicted.discard(r.rid)
-                            req.prefill = req.context  # no KV to take along
+                            self._evicted.discard(r.rid)  # prefill == context already
                         else:
                             self.held -= r.context
                             req.prefill = 0
