@@ -6,7 +6,9 @@ import asyncio
 import threading
 from typing import Any
 
-from dora.engines.base import VersionMismatch
+import pytest
+
+from dora.engines.base import EngineError, VersionMismatch
 from dora.learner.synthetic import make_scored
 from dora.rollout.generator_config import GeneratorConfig
 from dora.rollout.generator_core import GeneratorCore
@@ -64,3 +66,27 @@ def test_parked_episodes_free_their_decode_slot_up_to_max_parked() -> None:
     assert core.room() == 2  # 2 decoding: 2 slots, but 5 held of 4 + 3
     core.parked.add("r3")
     assert core.room() == 2  # the parked cap binds: 7 - 5
+
+
+async def test_an_engine_finishing_an_old_tail_imports_more_of_it_but_not_while_draining() -> None:
+    """Consolidation packs short tails into an engine already assigned the newest version
+    that still finishes the old one: the import goes through (the engine checks the snapshot's
+    version); a draining engine (scale-down, stop) takes nothing."""
+
+    class ImportingEngine(LoadingEngine):
+        def import_request(self, snapshot: bytes) -> str:
+            if int(snapshot.decode()) != self.version:
+                raise VersionMismatch("snapshot of another version")
+            self.requests.append(snapshot)
+            return f"r{len(self.requests)}"
+
+    engine = ImportingEngine(version=3)
+    core = GeneratorCore(engine, GeneratorConfig(engine_id="e0", initial_version=3))  # type: ignore[arg-type]
+    core.state = "serving"
+    await core.assign(4)  # switching: v3's tail runs until it ends or moves
+    assert await core.import_(b"3", lease=object()) == "r1"  # type: ignore[arg-type]
+    core.drain()
+    with pytest.raises(EngineError, match="not serving"):
+        await core.import_(b"3", lease=object())  # type: ignore[arg-type]
+    assert engine.requests == [b"3"]
+    core.close()

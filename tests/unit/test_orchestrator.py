@@ -175,6 +175,35 @@ def test_long_tail_is_consolidated_and_freed_engines_load_newest() -> None:
     assert assigns(actions) == {"t0": 1, "t1": 1}
 
 
+def test_two_engines_switching_pack_the_shorter_tail_into_the_longer() -> None:
+    """Both engines were told to serve version 1 while finishing version 0's tail (the
+    two-engine main job after each publication). Their free slots cannot take version 1's
+    queue before the tails end, so the queue still needs an engine: the shorter tail moves
+    into the longer one, and the emptied engine loads version 1 at once."""
+    state = cluster(
+        eng("a", 0, (req("s1", 0, 40, 4), req("s2", 0, 60, 4)), assigned=1, max_running=48),
+        eng("b", 0, (req("l1", 0, 300, 20), req("l2", 0, 500, 30)), assigned=1, max_running=48),
+        queues={1: 64},
+        newest=1,
+    )
+    migrations = [a for a in plan(state) if isinstance(a, MigrateRequests)]
+    assert [(m.source, m.target, set(m.request_ids)) for m in migrations] == [
+        ("a", "b", {"s1", "s2"})
+    ]
+
+
+def test_a_switching_engine_takes_no_tail_longer_than_its_own() -> None:
+    state = cluster(
+        eng("a", 0, (req("l1", 0, 40, 30),), assigned=1, max_running=48),
+        eng("b", 0, (req("s1", 0, 1950, 4),), assigned=1, max_running=48),
+        queues={1: 64},
+        newest=1,
+    )
+    # a is emptier but its request has ~2,000 tokens to go, b's only ~50: b moves into a
+    migrations = [a for a in plan(state) if isinstance(a, MigrateRequests)]
+    assert [(m.source, m.target) for m in migrations] == [("b", "a")]
+
+
 def test_no_consolidation_without_demand_for_the_freed_engines() -> None:
     state = tail_fleet()
     idle_queue = _replace(state, queue_depths={})

@@ -280,8 +280,11 @@ class GeneratorCore:
         return snapshot, held.lease.ack_token
 
     async def import_(self, snapshot: bytes, lease: Message) -> str:
-        """Continue a migrated request here; its id."""
-        if self.draining or self.assigned != self.engine.version:
+        """Continue a migrated request here; its id. An engine assigned a newer version
+        that still finishes the old one's tail takes more of that tail (consolidation packs
+        short tails into long ones); the engine refuses a snapshot of another version than
+        its weights, so an import that races a weight load fails and the source keeps it."""
+        if self.draining or self.state == "loading" or self.engine.version is None:
             raise EngineError(f"engine {self.config.engine_id} is not serving; cannot import")
         request_id = await self.call(self.engine.import_request, snapshot)
         self.held[request_id] = Held(lease)

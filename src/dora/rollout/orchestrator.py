@@ -155,7 +155,6 @@ class _Planner:
         self.parked: list[EngineView] = []
         """Busy engines that pull nothing (draining, or unassigned with requests left)."""
         self.usable: list[EngineView] = []
-        default_slots = config.default_slots
         newest, queues = self.newest, self.queues
         for e in sorted(state.engines, key=_engine_id):
             st = e.state
@@ -169,9 +168,7 @@ class _Planner:
             pv = e.assigned_version if st == "serving" or st == "loading" else None
             if pv is not None:
                 self.pullers[pv][e.engine_id] = e
-                room = (e.max_running or default_slots) - run - e.waiting
-                if room > 0:
-                    self.free_slots[pv] += room
+                self.free_slots[pv] += self.open_slots(e)
             elif st == "draining" and e.version is not None:
                 self.draining[e.version].append(e)
             if pv is None or (pv != newest and pv not in queues):
@@ -189,13 +186,23 @@ class _Planner:
         at = e.assigned_at
         return at is not None and self.now - at < self.config.assign_cooldown_s
 
+    def open_slots(self, e: EngineView, version: int | None = None) -> int:
+        """Slots of ``e`` that requests of ``version`` (default: the one it pulls) can fill
+        now: none while it still runs another version's requests (it takes the queue only
+        after they finish or move and the weights load). Counting those slots hid a queue's
+        need behind engines that could not serve it, and consolidation never ran."""
+        version = e.pulls if version is None else version
+        if e.requests and e.version is not None and e.version != version:
+            return 0
+        return max(0, slots(e, self.config) - e.running - e.waiting)
+
     def assign(self, e: EngineView, version: int, reason: str) -> None:
         """Record an assignment and keep the pullers/slots bookkeeping in step."""
         old = e.pulls
         if old is not None and self.pullers[old].pop(e.engine_id, None) is not None:
-            self.free_slots[old] -= max(0, slots(e, self.config) - e.running - e.waiting)
+            self.free_slots[old] -= self.open_slots(e)
         self.pullers[version][e.engine_id] = e
-        self.free_slots[version] += max(0, slots(e, self.config) - e.running - e.waiting)
+        self.free_slots[version] += self.open_slots(e, version)
         self.taken.add(e.engine_id)
         if not (e.state in ("serving", "loading") and e.assigned_version == version):
             self.actions.append(AssignEngine(e.engine_id, version, reason))
@@ -439,13 +446,12 @@ class _Planner:
             engines = [e for e in self.holders[v] if e.state != "loading"]
             if len(engines) < 2:
                 continue
+            # Targets: engines serving v, and engines finishing v's tail before they switch
+            # (a move onto one of those must not outlast its own tail: see ``pack``).
             targets = [
                 e
                 for e in engines
-                if e.state == "serving"
-                and e.version == v
-                and e.assigned_version == v
-                and e.engine_id not in self.taken
+                if e.state == "serving" and e.version == v and e.engine_id not in self.taken
             ]
             sources = [
                 e
@@ -473,11 +479,15 @@ class _Planner:
         budget is spent."""
         cfg = self.config
         index = {t.engine_id: i for i, t in enumerate(targets)}
+        # A target that is switching away from v takes only tails no longer than its own,
+        # so the move does not delay its switch: shorter tails are packed into longer ones.
+        switching = [(i, self.tail_tokens(t)) for i, t in enumerate(targets) if t.pulls != v]
         bins = FirstFit(
             [math.floor(cfg.target_fill * t.kv_blocks_total) - t.kv_blocks_used for t in targets],
             [math.floor(cfg.target_fill * slots(t, cfg)) - t.running - t.waiting for t in targets],
         )
         receivers: set[str] = set()
+        emptied: set[int] = set()  # bins of evacuated sources: closed for good
         for src in sources:
             if src.engine_id in receivers:
                 continue
@@ -488,7 +498,13 @@ class _Planner:
             own = index.get(src.engine_id)
             if own is not None:
                 bins.set_enabled(own, False)
+            tail = self.tail_tokens(src)
+            shorter = [i for i, t in switching if t < tail and i != own and i not in emptied]
+            for i in shorter:
+                bins.set_enabled(i, False)
             placed = self.place_requests(src, bins)
+            for i in shorter:
+                bins.set_enabled(i, True)
             if placed is None:
                 if own is not None:
                     bins.set_enabled(own, True)
@@ -515,11 +531,19 @@ class _Planner:
                 )
                 receivers.add(targets[i].engine_id)
             self.migrated += len(placed)
+            if own is not None:
+                emptied.add(own)
             if reassign:
                 self.assign(src, self.newest, "consolidated")
-            else:
+            else:  # already assigned the newest: emptied, it loads it and pulls
                 self.taken.add(src.engine_id)
+                self.free_slots[self.newest] += max(0, slots(src, cfg) - src.waiting)
         return True
+
+    def tail_tokens(self, e: EngineView) -> float:
+        """Expected tokens left to the longest of the engine's requests."""
+        lengths = self.state.lengths
+        return max((lengths.remaining(r.generated, r.max_tokens) for r in e.requests), default=0)
 
     def place_requests(
         self, src: EngineView, bins: FirstFit

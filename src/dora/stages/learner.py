@@ -88,6 +88,12 @@ class LearnerStage(Stage):
         self.model_dir = await asyncio.to_thread(cfg.model.resolve)
         self.learner_config = LearnerConfig.from_dict(cfg.learner)
         model = load_pretrained(self.model_dir)
+        # The KL term's reference is the start policy, frozen (loaded only when it is used).
+        ref_model = (
+            load_pretrained(self.model_dir).eval().requires_grad_(False)
+            if self.learner_config.grpo.kl_coef > 0
+            else None
+        )
         self.tokenizer = load_tokenizer(self.model_dir)
         self.started = time.time()
 
@@ -107,6 +113,7 @@ class LearnerStage(Stage):
             self.run_dir,
             tokenizer=self.tokenizer,
             on_step=on_step,
+            ref_model=ref_model,
         )
         self.stop_event = asyncio.Event()
         self.task = asyncio.create_task(self.service.run(self.stop_event))
