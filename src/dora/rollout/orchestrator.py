@@ -27,7 +27,10 @@ The live service, the simulator and the tests call the same function. It decides
    evacuated by migrating their requests (with KV) onto the fullest same-version engines that
    have room for the blocks plus their expected growth (first-fit decreasing), when the freed
    engine-time pays for the migration and some queue needs the freed engine; the evacuated
-   engine is assigned the newest version.
+   engine is assigned the newest version. A target may itself be switching away (assigned a
+   newer version, finishing this one's tail): it then takes only tails no longer than its
+   own, so short tails are packed into long ones and its own switch is not delayed. An
+   engine finishing another version's tail offers its assigned queue no slots until then.
 
 Hysteresis: an engine assigned within ``assign_cooldown_s`` is not taken from a busy version
 (free engines always move: idling is never useful); a request migrated within
