@@ -204,6 +204,12 @@ class Trajectory(Event):
     engines: tuple[str, ...] = Field(default=(), description="Engines that decoded it, in order.")
     migrations: tuple[Migration, ...] = ()
     reprefilled_tokens: int = Field(default=0, ge=0, description="0 under dora.")
+    logprobs_exact: bool = Field(
+        default=True,
+        description="False where the engine could not report the logprob of the distribution "
+        "it sampled from (vLLM at a temperature other than 1, or with top-k/top-p): the "
+        "tokens are still the sampler's, the logprobs are of the raw logits.",
+    )
     timings: Timings = Field(default_factory=Timings)
     error: str = ""
     episode: EpisodeRecord | None = Field(
@@ -342,6 +348,11 @@ class EngineStatus(Event):
     block_size: int = Field(default=16, ge=1)
     tokens_per_s: float = Field(default=0.0, ge=0.0)
     max_running: int = Field(default=0, ge=0)
+    engine_kind: str = Field(
+        default="dora",
+        description="'dora' (built-in) or 'vllm': requests migrate only between engines of "
+        "the same kind (their KV layouts differ).",
+    )
     requests: tuple[RunningRequest, ...] = ()
 
 
@@ -472,6 +483,14 @@ class KVSnapshot(Event):
     first_token_at: float = 0.0
     kv_bytes: int = Field(ge=0, description="Length of the raw KV payload after the header.")
     kv_sha256: str = ""
+    layout: str = Field(
+        default="dora",
+        description="Which engine's KV layout the payload is in: 'dora' (the built-in engine) "
+        "or 'vllm:<attention backend>'; an engine refuses a layout it does not use.",
+    )
+    kv_shape: tuple[int, ...] = Field(
+        default=(), description="The payload's tensor shape, for layouts other than 'dora'."
+    )
     reprefilled_tokens: int = Field(
         default=0, ge=0, description="Tokens re-prefilled so far (preemption/resume)."
     )

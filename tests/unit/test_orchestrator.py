@@ -175,6 +175,32 @@ def test_long_tail_is_consolidated_and_freed_engines_load_newest() -> None:
     assert assigns(actions) == {"t0": 1, "t1": 1}
 
 
+def test_requests_migrate_only_between_engines_of_one_kind() -> None:
+    """A mixed fleet: the built-in engines' tails pack into the built-in target, the vLLM
+    engine's tail into the vLLM target, never across (their KV layouts differ)."""
+    state = cluster(
+        eng("d0", 0, (req("a1", 0, 900, 60),)),
+        eng("d1", 0, (req("a2", 0, 1000, 70), *full("y", 0, 6))),
+        eng("v0", 0, (req("b1", 0, 900, 60),), kind="vllm"),
+        eng("v1", 0, (req("b2", 0, 1000, 70), *full("z", 0, 6)), kind="vllm"),
+        eng("n0", 1, full("n", 1, 16)),
+        queues={1: 200},
+        newest=1,
+        k=4,
+    )
+    migrations = [a for a in plan(state) if isinstance(a, MigrateRequests)]
+    assert {(m.source, m.target) for m in migrations} == {("d0", "d1"), ("v0", "v1")}
+    lone = cluster(
+        eng("d0", 0, (req("a1", 0, 900, 60),)),
+        eng("v1", 0, (req("b2", 0, 1000, 70), *full("z", 0, 6)), kind="vllm"),
+        eng("n0", 1, full("n", 1, 16)),
+        queues={1: 200},
+        newest=1,
+        k=4,
+    )
+    assert not [a for a in plan(lone) if isinstance(a, MigrateRequests)]
+
+
 def test_two_engines_switching_pack_the_shorter_tail_into_the_longer() -> None:
     """Both engines were told to serve version 1 while finishing version 0's tail (the
     two-engine main job after each publication). Their free slots cannot take version 1's

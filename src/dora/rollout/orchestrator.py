@@ -446,36 +446,42 @@ class _Planner:
                 return
             if not cfg.migrate_urgent and self.state.steps_left(v) <= cfg.urgency_horizon_steps:
                 continue  # a move stalls them, and the learner is waiting for them
-            engines = [e for e in self.holders[v] if e.state != "loading"]
-            if len(engines) < 2:
-                continue
-            # Targets: engines serving v, and engines finishing v's tail before they switch
-            # (a move onto one of those must not outlast its own tail: see ``pack``).
-            targets = [
-                e
-                for e in engines
-                if e.state == "serving" and e.version == v and e.engine_id not in self.taken
-            ]
-            sources = [
-                e
-                for e in engines
-                if e.occupancy < cfg.consolidate_below
-                and e.engine_id not in self.taken
-                and not (e.assigned_version == v and self.cooling(e))
-            ]
-            if not targets or not sources:
-                continue
-            # Only the emptiest sources and the fullest targets can matter within one call's
-            # budget; selecting them is O(n log k) instead of sorting whole fleets.
-            budget = max(1, cfg.max_actions - len(self.actions))
-            targets = heapq.nsmallest(
-                4 * budget, targets, key=lambda e: (-e.kv_blocks_used, e.engine_id)
-            )
-            sources = heapq.nsmallest(
-                2 * budget, sources, key=lambda e: (e.kv_blocks_used, e.running, e.engine_id)
-            )
-            if not self.pack(v, sources, targets):
-                return
+            holders = [e for e in self.holders[v] if e.state != "loading"]
+            # KV moves only between engines of one kind (their layouts differ)
+            for kind in sorted({e.kind for e in holders}):
+                engines = [e for e in holders if e.kind == kind]
+                if len(engines) >= 2 and not self.consolidate_kind(v, engines):
+                    return
+
+    def consolidate_kind(self, v: int, engines: list[EngineView]) -> bool:
+        """Consolidate version ``v`` over engines of one kind; False once the budget is spent."""
+        cfg = self.config
+        # Targets: engines serving v, and engines finishing v's tail before they switch
+        # (a move onto one of those must not outlast its own tail: see ``pack``).
+        targets = [
+            e
+            for e in engines
+            if e.state == "serving" and e.version == v and e.engine_id not in self.taken
+        ]
+        sources = [
+            e
+            for e in engines
+            if e.occupancy < cfg.consolidate_below
+            and e.engine_id not in self.taken
+            and not (e.assigned_version == v and self.cooling(e))
+        ]
+        if not targets or not sources:
+            return True
+        # Only the emptiest sources and the fullest targets can matter within one call's
+        # budget; selecting them is O(n log k) instead of sorting whole fleets.
+        budget = max(1, cfg.max_actions - len(self.actions))
+        targets = heapq.nsmallest(
+            4 * budget, targets, key=lambda e: (-e.kv_blocks_used, e.engine_id)
+        )
+        sources = heapq.nsmallest(
+            2 * budget, sources, key=lambda e: (e.kv_blocks_used, e.running, e.engine_id)
+        )
+        return self.pack(v, sources, targets)
 
     def pack(self, v: int, sources: list[EngineView], targets: list[EngineView]) -> bool:
         """Evacuate sources into targets (first-fit, fullest first); False once the call's

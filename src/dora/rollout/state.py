@@ -66,6 +66,8 @@ class EngineView:
     requests: tuple[RequestView, ...] = ()
     assigned_at: float | None = None
     """When the orchestrator last assigned it (service memory); None if never/unknown."""
+    kind: str = "dora"
+    """Engine kind ('dora' built-in, 'vllm'): requests migrate only within a kind."""
 
     def __post_init__(self) -> None:
         if self.state not in ENGINE_STATES:
@@ -116,6 +118,7 @@ class EngineView:
                 for r in status.requests
             ),
             assigned_at=assigned_at,
+            kind=status.engine_kind,
         )
 
     @property

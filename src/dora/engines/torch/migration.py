@@ -58,7 +58,7 @@ def export_sequence(engine: TorchEngine, seq: Sequence) -> bytes:
             for start, end, role in seq.appended
         ),
         turn_start=seq.turn_start,
-        recompute_tokens=seq.recompute_hw,
+        recompute_tokens=max(seq.recompute_hw, seq.num_computed),  # had KV: honest count
         parked=seq.status is SeqStatus.PARKED,
         parked_at=seq.parked_at if seq.status is SeqStatus.PARKED else 0.0,
     )
@@ -68,6 +68,11 @@ def export_sequence(engine: TorchEngine, seq: Sequence) -> bytes:
 def _check_compatible(engine: TorchEngine, h: KVSnapshot) -> None:
     cfg = engine.model.config
     rid = h.request.request_id
+    if h.layout != "dora":
+        raise SnapshotError(
+            f"snapshot of request {rid} holds KV in the {h.layout!r} layout (another kind of "
+            "engine); the built-in engine loads only its own ('dora')"
+        )
     if engine.version is None or h.version != engine.version:
         raise VersionMismatch(
             f"snapshot of request {rid} is version {h.version}; engine {engine.engine_id} "
