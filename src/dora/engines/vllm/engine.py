@@ -128,6 +128,8 @@ class VllmEngine:
         engine_id: str = "engine-0",
         version: int | None = 0,
     ) -> None:
+        # vLLM logs every engine-core step at INFO; a run's console shows what a person needs
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
