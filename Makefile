@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.dora-installed
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint bench-all clean
+.PHONY: demo test lint bench-all clean vllm test-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,8 +28,21 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
 
+# The vllm extra in a venv of its own: vLLM brings newer numpy and transformers than the
+# main venv's, and its wheel pulls torchvision/torchaudio/torchcodec, which dora does not use.
+VLLM_VENV ?= .venv-vllm
+vllm:
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH)"
+	$(VLLM_VENV)/bin/pip install -q -e ".[dev,vllm]" "$(TORCH)"
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
+
+test-vllm: vllm
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -m vllm
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) runs .dora-cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .dora-cache

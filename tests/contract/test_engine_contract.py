@@ -42,7 +42,7 @@ def _engine(kind: str, directory: Path, engine_id: str) -> Any:
     from dora.engines.vllm.config import VllmEngineConfig
     from dora.engines.vllm.engine import VllmEngine
 
-    config = VllmEngineConfig(kv_cache_gib=0.25, max_model_len=1024, block_size=32)
+    config = VllmEngineConfig(kv_cache_gib=0.25, max_model_len=4096, block_size=32)
     return VllmEngine(directory, config, engine_id)
 
 
@@ -124,6 +124,23 @@ def test_tokens_equal_the_built_in_engine_alone_or_batched(
         # fp32 on both sides; the logprob is of the distribution sampled from (T=0: raw)
         assert a.logprobs[:32] == pytest.approx(b.logprobs[:32], abs=1e-3)
         assert a.logprobs_exact and a.reprefilled_tokens == 0
+
+
+def test_a_prompt_longer_than_one_forward_is_prefilled_in_chunks(
+    pair: tuple[Any, Any], checkpoint: Path
+) -> None:
+    engine, _ = pair
+    prompt = tuple((i * 7919) % 60 + 8 for i in range(2500))  # > 2,048 tokens per forward
+    reqs = [
+        make_request(f"long{i}", prompt_token_ids=prompt, temperature=1.0, seed=i, max_tokens=16)
+        for i in range(2)
+    ]
+    for r in reqs:
+        engine.add_request(r)
+    got = run_all(engine)
+    want = reference(checkpoint, reqs)
+    for r in reqs:
+        assert got[r.request_id].completion_token_ids == want[r.request_id].completion_token_ids
 
 
 def test_weights_load_in_place_and_not_over_another_versions_request(

@@ -259,6 +259,11 @@ def cli(
                     row["dora_vs_vllm"] = run.seconds / ours.wall
                     row["vllm_cpu_tok_s"] = n / run.cpu_seconds if run.cpu_seconds else None
                     row["dora_vs_vllm_cpu"] = run.cpu_seconds / ours.cpu
+                    # vLLM as an engine of dora (the Engine protocol, dora's sampling, the
+                    # KV connector): what dora's layer costs on top of vLLM's own loop
+                    through = run_vllm(Path(tmp), work, protocol=True)
+                    row["dora_vllm_tok_s"] = n / through.seconds
+                    row["dora_vllm_vs_vllm"] = run.seconds / through.seconds
                     columns["vllm"] = {
                         "cpus": run.cpus,
                         "torch_threads": run.omp_threads,

@@ -70,9 +70,10 @@ def vllm_note() -> str | None:
     return None
 
 
-def run_vllm(directory: Path, work: Workload) -> VllmRun:
-    """vLLM offline generation of the workload (only where vLLM is installed)."""
-    return generate_vllm(directory, work.prompts, work.lengths)
+def run_vllm(directory: Path, work: Workload, protocol: bool = False) -> VllmRun:
+    """vLLM generation of the workload (only where vLLM is installed): offline ``LLM``, or
+    dora's ``VllmEngine`` with ``protocol``."""
+    return generate_vllm(directory, work.prompts, work.lengths, protocol=protocol)
 
 
 def generate_vllm(
@@ -81,8 +82,13 @@ def generate_vllm(
     lengths: list[int],
     threads: int | None = None,
     timeout_s: float = 3600.0,
+    protocol: bool = False,
 ) -> VllmRun:
     """Generate ``lengths[i]`` tokens after ``prompts[i]`` with vLLM in a child process.
+
+    ``protocol``: through dora's ``VllmEngine`` (the Engine protocol: ``add_request`` and
+    ``step``, dora's sampling as a logits processor, the KV connector loaded) instead of
+    vLLM's offline ``LLM.generate``; the difference is what dora's engine adds.
 
     ``threads`` defaults to the parent's torch threads (the bench sets them), so vLLM gets the
     same cores as the torch engine: the child is pinned to the first ``threads`` cores of the
@@ -101,6 +107,8 @@ def generate_vllm(
         log = Path(tmp) / "vllm.log"
         job.write_text(json.dumps({"prompts": prompts, "lengths": lengths}))
         cmd = [sys.executable, "-m", "dora.bench.engine_vllm", str(directory), str(job), str(out)]
+        if protocol:
+            cmd.append("--protocol")
         env = {**os.environ, **_vllm_env(directory, prompts, lengths, threads)}
         cpus = bench_cpus(threads)
         with log.open("w") as sink:
@@ -239,14 +247,74 @@ def _child(directory: Path, job: Path, out: Path) -> None:
     out.write_text(json.dumps(result))
 
 
+def _child_protocol(directory: Path, job: Path, out: Path) -> None:
+    """Body of the child with ``--protocol``: the same timing through ``VllmEngine``."""
+    import torch
+
+    from dora.engines.vllm.config import VllmEngineConfig
+    from dora.engines.vllm.engine import VllmEngine
+    from dora.events import Prompt, RolloutRequest, SamplingParams
+
+    spec: dict[str, Any] = json.loads(job.read_text())
+    prompts: list[list[int]] = spec["prompts"]
+    lengths: list[int] = spec["lengths"]
+    kv_gib = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    config = VllmEngineConfig(
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        max_model_len=_max_model_len(prompts, lengths),
+        kv_cache_gib=kv_gib,
+        ignore_eos=True,
+    )
+    start = time.perf_counter()
+    engine = VllmEngine(directory, config, "bench")
+    startup = time.perf_counter() - start
+
+    def run(batch: list[list[int]], sizes: list[int], tag: str) -> list[int]:
+        for i, (p, n) in enumerate(zip(batch, sizes, strict=True)):
+            engine.add_request(
+                RolloutRequest(
+                    request_id=f"{tag}{i}",
+                    prompt=Prompt(prompt_id=f"{tag}{i}", text=""),
+                    prompt_token_ids=tuple(p),
+                    group_id=f"{tag}{i}",
+                    group_index=0,
+                    version=0,
+                    sampling=SamplingParams(temperature=1.0, seed=i, max_tokens=n),
+                )
+            )
+        done: dict[str, int] = {}
+        while engine.has_work():
+            for t in engine.step():
+                done[t.request.request_id] = len(t.completion_token_ids)
+        return [done[f"{tag}{i}"] for i in range(len(batch))]
+
+    run([[7] * 8] * MAX_NUM_SEQS, list(range(1, MAX_NUM_SEQS + 1)), "warm")
+    start, cpu = time.perf_counter(), tree_cpu_seconds()
+    lengths_out = run(prompts, lengths, "r")
+    seconds = time.perf_counter() - start
+    cpu_seconds = tree_cpu_seconds() - cpu
+    engine.close()
+    result = {
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "startup_s": startup,
+        "output_lengths": lengths_out,
+    }
+    out.write_text(json.dumps(result))
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m dora.bench.engine_vllm DIRECTORY JOB.json RESULT.json`` (used by the bench)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("directory", type=Path, help="HF checkpoint directory")
     parser.add_argument("job", type=Path, help='JSON {"prompts": [[ids]], "lengths": [n]}')
     parser.add_argument("out", type=Path, help="where the timing JSON is written")
+    parser.add_argument("--protocol", action="store_true", help="through dora's VllmEngine")
     args = parser.parse_args(argv)
-    _child(args.directory, args.job, args.out)
+    (_child_protocol if args.protocol else _child)(args.directory, args.job, args.out)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ token:
   + one decode step;
 - re-prefill: the partial-rollout way, a new request with ``resume`` = the tokens so far,
   prefilled from scratch (chunked under the engine's token budget) + the next token.
+
+``--engines vllm`` measures the same on two ``VllmEngine``s (the ``vllm`` extra): export is
+an abort whose blocks the dora KV connector hands over, import adds the request with its
+context supplied as cached KV; prefix caching is off there so the re-prefill is computed.
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ async def measure(preset: str, contexts: list[int], bus: Any) -> list[dict[str, 
         rows.append(
             {
                 "model": preset,
+                "engine": "dora",
                 "context": ctx,
                 "kv_bytes": len(data),
                 "kv_bytes_per_token": b.runner.kv_bytes_per_token(),
@@ -109,7 +114,97 @@ async def measure(preset: str, contexts: list[int], bus: Any) -> list[dict[str, 
     return rows
 
 
-async def _run(models: list[str], contexts: list[int], store: Path) -> list[dict[str, Any]]:
+async def measure_vllm(preset: str, contexts: list[int], bus: Any) -> list[dict[str, Any]]:
+    """Rows of one model on two vLLM engines: one per context length."""
+    from dora.engines.vllm.config import VllmEngineConfig
+    from dora.engines.vllm.engine import VllmEngine
+    from dora.events import ResumeState
+    from dora.models import build_model, save_pretrained
+
+    longest = max(contexts)
+    model, tok = build_model(preset, seed=0, max_position_embeddings=longest + 256)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(model, Path(tmp), tok)
+        config = VllmEngineConfig(
+            max_model_len=longest + 64,
+            block_size=32,
+            kv_cache_gib=1.0,
+            enable_prefix_caching=False,
+            ignore_eos=True,
+        )
+        a = VllmEngine(Path(tmp), config, "a")
+        b = VllmEngine(Path(tmp), config, "b")
+        try:
+            for engine in (a, b):  # vLLM's first steps set up kernels: not part of a move
+                for n in (16, 2048):
+                    engine.add_request(_request(f"warm-{n}", [9] * n, max_tokens=4))
+                    while engine.has_work():
+                        engine.step()
+            for ctx in contexts:
+                prompt = [(i * 7919) % 90 + 8 for i in range(ctx - 1)]
+                rid = f"{preset}-{ctx}-vllm"
+                a.add_request(_request(rid, prompt, max_tokens=8))
+                while not a._held[rid].tokens:
+                    a.step()
+                # --- migrate: export -> object store -> import -> next token
+                t0 = time.perf_counter()
+                data = a.export_request(rid)
+                t1 = time.perf_counter()
+                ref = await bus.put_blob(f"kv-{rid}", data)
+                got = await get_blob_linear(bus, ref.name)
+                t2 = time.perf_counter()
+                b.import_request(got)
+                t3 = time.perf_counter()
+                held = b._held[rid]
+                done = len(held.tokens)
+                while len(held.tokens) == done:
+                    b.step()
+                t4 = time.perf_counter()
+                migrated_reprefill = held.reprefilled
+                tokens, logprobs = held.tokens[:done], held.logprobs[:done]
+                b.abort(rid)
+                a.release_exported(rid)
+                await bus.delete_blob(ref.name)
+                # --- re-prefill on the same engine (no prefix cache): the context again
+                again = f"{rid}-again"
+                resume = ResumeState(
+                    token_ids=tuple(tokens), logprobs=tuple(logprobs), engines=("a",)
+                )
+                r0 = time.perf_counter()
+                b.add_request(_request(again, prompt, max_tokens=8 + done, resume=resume))
+                while len(b._held[again].tokens) == done:
+                    b.step()
+                r1 = time.perf_counter()
+                reprefilled = b._held[again].reprefilled
+                b.abort(again)
+                migrate_s, reprefill_s = t4 - t0, r1 - r0
+                rows.append(
+                    {
+                        "model": preset,
+                        "engine": "vllm",
+                        "context": ctx,
+                        "kv_bytes": len(data),
+                        "export_s": t1 - t0,
+                        "transfer_s": t2 - t1,
+                        "import_s": t3 - t2,
+                        "first_decode_s": t4 - t3,
+                        "migrate_s": migrate_s,
+                        "migrate_reprefilled_tokens": migrated_reprefill,
+                        "reprefill_s": reprefill_s,
+                        "reprefilled_tokens": reprefilled,
+                        "ratio": migrate_s / reprefill_s,
+                    }
+                )
+        finally:
+            a.close()
+            b.close()
+    return rows
+
+
+async def _run(
+    models: list[str], contexts: list[int], store: Path, engines: list[str]
+) -> list[dict[str, Any]]:
     from dora.bench.report import print_table
     from dora.bus import NatsBus
     from dora.bus.server import NatsServer
@@ -121,9 +216,11 @@ async def _run(models: list[str], contexts: list[int], store: Path) -> list[dict
     rows: list[dict[str, Any]] = []
     try:
         for preset in models:
-            new = await measure(preset, contexts, bus)
-            print_table(f"migrate: {preset}", new)
-            rows.extend(new)
+            for kind in engines:
+                how = measure if kind == "dora" else measure_vllm
+                new = await how(preset, contexts, bus)
+                print_table(f"migrate: {preset} ({kind})", new)
+                rows.extend(new)
     finally:
         await bus.close()
         server.stop()
@@ -135,6 +232,9 @@ def cli(
     contexts: str = typer.Option("256,1024,4096", "--contexts", help="Context lengths."),
     quick: bool = typer.Option(False, "--quick", help="Tiny model, contexts 256 and 1024."),
     threads: int = typer.Option(1, "--threads", help="torch threads (0: torch default)."),
+    engines: str = typer.Option(
+        "dora", "--engines", help="Comma-separated: dora (built-in), vllm (the vllm extra)."
+    ),
 ) -> None:
     """Time to resume a request on another engine: KV migration vs re-prefill."""
     import torch
@@ -145,8 +245,18 @@ def cli(
         torch.set_num_threads(threads)
     names = ["tiny"] if quick else [m.strip() for m in models.split(",") if m.strip()]
     lengths = [256, 1024] if quick else [int(c) for c in contexts.split(",") if c.strip()]
+    kinds = [e.strip() for e in engines.split(",") if e.strip()]
+    if not kinds or set(kinds) - {"dora", "vllm"}:
+        raise typer.BadParameter("name dora and/or vllm", param_hint="--engines")
+    if "vllm" in kinds:
+        from dora.engines.vllm import vllm_missing
+
+        missing = vllm_missing()
+        if missing is not None:
+            raise typer.BadParameter(missing, param_hint="--engines")
     with tempfile.TemporaryDirectory() as tmp:
-        rows = asyncio.run(_run(names, lengths, Path(tmp)))
+        rows = asyncio.run(_run(names, lengths, Path(tmp), kinds))
     print_table("dora bench migrate (goal: ratio < 1 at >= 1024 on small, <= 0.25 at 4096)", rows)
-    path = save_rows("migrate", rows, meta={"quick": quick, "threads": torch.get_num_threads()})
+    meta = {"quick": quick, "threads": torch.get_num_threads(), "engines": kinds}
+    path = save_rows("migrate", rows, meta=meta)
     typer.echo(f"saved {path}")

@@ -23,6 +23,7 @@ class VllmEngineConfig:
     dtype: str = "float32"
     enable_prefix_caching: bool = True
     enforce_eager: bool = True  # no torch.compile / CUDA graphs: fast start, small models
+    ignore_eos: bool = False  # benchmarks force lengths with max_tokens
     export_timeout_s: float = 60.0  # how long an export waits for the worker to gather
     engine_args: dict[str, Any] = field(default_factory=dict)
 

@@ -179,7 +179,7 @@ class VllmEngine:
         self.block_dim: int = layout["block_dim"]
         self.num_layers: int = layout["layers"]
         self.num_blocks: int = layout["num_blocks"]
-        self.eos_token_id = self.model_config.get("eos_token_id")
+        self.eos_token_id = None if cfg.ignore_eos else self.model_config.get("eos_token_id")
         self._version = version
         self._held: dict[str, _Held] = {}
         self._by_external: dict[str, str] = {}
@@ -301,9 +301,12 @@ class VllmEngine:
             temperature=0.0 if sp.temperature == 0 else 1.0,
             top_p=1.0,
             top_k=0,
-            seed=sp.seed,
+            # no vLLM seed: dora's draw is the logits processor's, and a per-request
+            # generator breaks vLLM's CPU chunked prefill (``set_offset`` unsupported)
+            seed=None,
             max_tokens=sp.max_tokens - len(held.tokens),
             stop_token_ids=list(sp.stop_token_ids),
+            ignore_eos=self.config.ignore_eos,
             logprobs=0,
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra or None,
