@@ -63,7 +63,6 @@ class _Held:
     prompt: list[int]
     tokens: list[int]  # the whole completion so far (earlier engines' tokens included)
     logprobs: list[float]
-    prior: int  # completion tokens that were already generated when it was added here
     token_versions: list[int]
     track_versions: bool
     engines: list[str]
@@ -90,14 +89,12 @@ class _Held:
 class _LatestStats:
     """A vLLM stat logger that keeps the latest scheduler stats (running, waiting, KV use)."""
 
-    latest: Any = None
-
-    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-        pass
+    def __init__(self, sink: dict[str, Any]) -> None:
+        self.sink = sink
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
         if scheduler_stats is not None:
-            type(self).latest = scheduler_stats
+            self.sink["scheduler"] = scheduler_stats
 
     def log_engine_initialized(self) -> None:
         pass
@@ -167,8 +164,12 @@ class VllmEngine:
             args["block_size"] = cfg.block_size
         args.update(cfg.engine_args)
         started = time.monotonic()
-        self._stats = type("_Stats", (_LatestStats,), {"latest": None})
-        self.llm = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[self._stats])
+        self._stats: dict[str, Any] = {}
+
+        def stats(vllm_config: Any, engine_index: int = 0) -> _LatestStats:
+            return _LatestStats(self._stats)
+
+        self.llm = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[stats])
         vc = self.llm.vllm_config
         self.block_size = vc.cache_config.block_size
         self.max_model_len = vc.model_config.max_model_len
@@ -183,7 +184,6 @@ class VllmEngine:
         self._version = version
         self._held: dict[str, _Held] = {}
         self._by_external: dict[str, str] = {}
-        self._ready: list[Trajectory] = []
         self._ids = itertools.count()
         self._rate: deque[tuple[float, int]] = deque()
         self.counters = {"exported": 0, "imported": 0, "fallback_exports": 0, "finished": 0}
@@ -266,7 +266,6 @@ class VllmEngine:
             prompt=prompt,
             tokens=resumed,
             logprobs=list(resume.logprobs) if resume else [],
-            prior=len(resumed),
             token_versions=versions or [request.version] * len(resumed),
             track_versions=bool(resumed),
             engines=engines,
@@ -316,13 +315,18 @@ class VllmEngine:
         )
         held.external_id = f"{held.request.request_id}#{next(self._ids)}"
         context = held.prompt + held.tokens
-        held.vllm_id = self.llm.add_request(held.external_id, {"prompt_token_ids": context}, params)
+        try:
+            held.vllm_id = self.llm.add_request(
+                held.external_id, {"prompt_token_ids": context}, params
+            )
+        except (ValueError, TypeError) as exc:  # vLLM's input checks (e.g. too long)
+            raise EngineError(f"vLLM refused request {held.request.request_id}: {exc}") from exc
         held.snapshot = None
         self._held[held.request.request_id] = held
         self._by_external[held.external_id] = held.request.request_id
 
     def has_work(self) -> bool:
-        return any(h.snapshot is None for h in self._held.values()) or bool(self._ready)
+        return any(h.snapshot is None for h in self._held.values())
 
     def num_requests(self) -> int:
         return len(self._held)
@@ -353,7 +357,8 @@ class VllmEngine:
         )
 
     def set_priority(self, request_id: str, priority: int) -> None:
-        """vLLM fixes a request's priority when it is added; this one is kept for a re-add."""
+        """Kept on the request (a migration carries it), but vLLM's first-come scheduler does
+        not reorder a running request: on vLLM, priorities do not change the order."""
         held = self._get(request_id)
         held.request = held.request.model_copy(update={"priority": priority})
 
@@ -402,8 +407,8 @@ class VllmEngine:
 
     def step(self) -> list[Trajectory]:
         """The trajectories that finished in the engine core's next batch of outputs."""
-        finished, self._ready = self._ready, []
-        if not any(h.snapshot is None for h in self._held.values()):
+        finished: list[Trajectory] = []
+        if not self.has_work():
             return finished
         now = time.time()
         produced = 0
@@ -515,13 +520,15 @@ class VllmEngine:
             self.exchange.clear(vid)
             raise EngineError(f"request {request_id} finished before it could be exported")
         payload, shape, cached = b"", (), 0
-        if accepted.get("ok"):
-            meta = self._wait_for(self.exchange.kv_meta(vid))
+        reason = accepted.get("reason", "")
+        meta = self._wait_for(self.exchange.kv_meta(vid)) if accepted.get("ok") else None
+        if meta is not None:
             payload = self.exchange.kv_data(vid).read_bytes()
             shape, cached = tuple(meta["shape"]), int(meta["num_tokens"])
-        else:
+        else:  # the tokens go without their KV: the target re-prefills and counts it
+            reason = reason or f"no blocks from the worker in {self.config.export_timeout_s} s"
             self.counters["fallback_exports"] += 1
-            log.warning("export_without_kv", request=request_id, reason=accepted.get("reason"))
+            log.warning("export_without_kv", request=request_id, reason=reason)
         self.llm.output_processor.abort_requests([vid], internal=True)
         self.exchange.clear(vid)
         header = KVSnapshot(
@@ -558,17 +565,13 @@ class VllmEngine:
         self.counters["exported"] += 1
         return held.snapshot
 
-    def _wait_for(self, path: Path) -> dict[str, Any]:
+    def _wait_for(self, path: Path) -> dict[str, Any] | None:
+        """The JSON the worker writes once the blocks are out, or None after the timeout."""
         deadline = time.monotonic() + self.config.export_timeout_s
         while True:
             data = read_json(path)
-            if data is not None:
+            if data is not None or time.monotonic() > deadline:
                 return data
-            if time.monotonic() > deadline:
-                raise EngineError(
-                    f"engine {self.engine_id}: the KV connector wrote no blocks in "
-                    f"{self.config.export_timeout_s:.0f} s"
-                )
             time.sleep(0.0005)
 
     def _exported(self, request_id: str) -> _Held:
@@ -639,7 +642,6 @@ class VllmEngine:
             prompt=prompt,
             tokens=completion,
             logprobs=list(h.logprobs),
-            prior=len(completion),
             token_versions=versions,
             track_versions=n_resumed > 0,
             engines=engines,
@@ -708,7 +710,7 @@ class VllmEngine:
         return sum(n for _, n in self._rate) / max(now - self._rate[0][0], 1e-6)
 
     def status(self) -> EngineStatus:
-        stats = self._stats.latest
+        stats = self._stats.get("scheduler")
         used = round(stats.kv_cache_usage * self.num_blocks) if stats is not None else 0
         live = [h for h in self._held.values() if h.snapshot is None]
         running = stats.num_running_reqs if stats is not None else len(live)
