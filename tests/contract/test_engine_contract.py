@@ -284,3 +284,35 @@ def test_snapshots_of_another_kind_or_version_are_refused(
     with pytest.raises(VersionMismatch):
         b.import_request(encode_snapshot(stale, bytes(payload)))
     assert b.num_requests() == 0
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_vllm_without_its_kv_connector_re_prefills_and_counts(checkpoint: Path) -> None:
+    """The connector is off (``kv_connector: false``, as on a vLLM build without KV
+    connectors): an export carries the tokens only and the target re-prefills them, counted."""
+    pytest.importorskip("vllm", reason="the vllm extra is not installed")
+    from dora.engines.vllm.config import VllmEngineConfig
+    from dora.engines.vllm.engine import VllmEngine
+
+    config = VllmEngineConfig(
+        kv_cache_gib=0.25, max_model_len=4096, block_size=32, kv_connector=False
+    )
+    a = VllmEngine(checkpoint, config, "plain-a")
+    b = VllmEngine(checkpoint, config, "plain-b")
+    try:
+        request = requests("nokv", 1, temperature=1.0, max_tokens=120)[0]
+        a.add_request(request)
+        alone = run_all(a)[request.request_id]
+        snapshot = _migrate_after(a, b, request.model_copy(update={"request_id": "n-moved"}), 8)
+        header, payload = decode_snapshot(snapshot)
+        assert header.num_cached_tokens == 0 and payload.nbytes == 0
+        b.import_request(snapshot)
+        a.release_exported("n-moved")
+        out = run_all(b)["n-moved"]
+        context = len(header.request.prompt_token_ids) + len(header.completion_token_ids)
+        assert out.completion_token_ids == alone.completion_token_ids
+        assert out.reprefilled_tokens == context - 1
+    finally:
+        a.close()
+        b.close()

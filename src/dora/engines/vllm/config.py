@@ -24,6 +24,9 @@ class VllmEngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = True  # no torch.compile / CUDA graphs: fast start, small models
     ignore_eos: bool = False  # benchmarks force lengths with max_tokens
+    # the dora KV connector (migration with the KV); False: a migrated request is re-prefilled
+    # on its target, and its trajectory counts those tokens (a vLLM build without connectors)
+    kv_connector: bool = True
     export_timeout_s: float = 60.0  # how long an export waits for the worker to gather
     engine_args: dict[str, Any] = field(default_factory=dict)
 

@@ -38,7 +38,7 @@ from dora.engines.base import EngineError, PartialOutput, SnapshotError, Version
 from dora.engines.snapshot import decode_snapshot, encode_snapshot
 from dora.engines.vllm.config import VllmEngineConfig
 from dora.engines.vllm.connector import IMPORT_KEY
-from dora.engines.vllm.exchange import Exchange, read_json
+from dora.engines.vllm.exchange import Exchange, read_json, write_json
 from dora.engines.vllm.sampling import EXTRA_KEY, dora_args
 from dora.events import (
     EngineStatus,
@@ -152,14 +152,15 @@ class VllmEngine:
             logprobs_mode="raw_logprobs",
             logits_processors=["dora.engines.vllm.sampling:DoraSampling"],
             worker_extension_cls="dora.engines.vllm.worker.DoraWorkerExtension",
-            kv_transfer_config={
+            disable_log_stats=False,
+        )
+        if cfg.kv_connector:
+            args["kv_transfer_config"] = {
                 "kv_connector": "DoraKVConnector",
                 "kv_connector_module_path": "dora.engines.vllm.connector",
                 "kv_role": "kv_both",
                 "kv_connector_extra_config": {"exchange_dir": str(self.exchange.root)},
-            },
-            disable_log_stats=False,
-        )
+            }
         if cfg.block_size is not None:
             args["block_size"] = cfg.block_size
         args.update(cfg.engine_args)
@@ -508,8 +509,9 @@ class VllmEngine:
             raise EngineError(f"request {request_id} is already exported")
         wanted = held.context - 1
         vid = held.vllm_id
-        from dora.engines.vllm.exchange import write_json
-
+        if not self.config.kv_connector:  # tokens only: the target re-prefills (counted)
+            self.llm.abort_request([vid], internal=True)
+            return self._snapshot(held, b"", (), 0, wanted, "no KV connector")
         write_json(self.exchange.export_order(vid), {"num_tokens": wanted})
         self.llm.engine_core.abort_requests([vid])
         # a barrier: the engine core handles its inputs in order, so once this call returns
@@ -527,10 +529,23 @@ class VllmEngine:
             shape, cached = tuple(meta["shape"]), int(meta["num_tokens"])
         else:  # the tokens go without their KV: the target re-prefills and counts it
             reason = reason or f"no blocks from the worker in {self.config.export_timeout_s} s"
-            self.counters["fallback_exports"] += 1
-            log.warning("export_without_kv", request=request_id, reason=reason)
         self.llm.output_processor.abort_requests([vid], internal=True)
         self.exchange.clear(vid)
+        return self._snapshot(held, payload, shape, cached, wanted, reason)
+
+    def _snapshot(
+        self,
+        held: _Held,
+        payload: bytes,
+        shape: tuple[int, ...],
+        cached: int,
+        wanted: int,
+        reason: str,
+    ) -> bytes:
+        """Snapshot bytes of an exported request (its KV, or none: ``cached`` 0)."""
+        if not cached:
+            self.counters["fallback_exports"] += 1
+            log.warning("export_without_kv", request=held.request.request_id, reason=reason)
         header = KVSnapshot(
             request=held.request,
             version=held.request.version,
@@ -653,7 +668,7 @@ class VllmEngine:
             added_at=time.time(),
         )
         kv = None
-        if h.num_cached_tokens:
+        if h.num_cached_tokens and self.config.kv_connector:  # else re-prefilled, counted
             held.import_file = self.exchange.root / "import" / f"{uuid.uuid4().hex}.bin"
             held.import_file.write_bytes(payload)
             kv = {
