@@ -21,7 +21,7 @@ from dora.engines.snapshot import decode_snapshot, encode_snapshot
 from dora.engines.torch import EngineConfig, TorchEngine
 from dora.events import Trajectory
 from dora.models import build_model, save_pretrained
-from tests.unit.test_engine_support import make_request
+from tests.unit.test_engine_support import make_request, run_all
 
 KINDS = [
     "dora",
@@ -74,17 +74,6 @@ def pair(request: pytest.FixtureRequest, checkpoint: Path) -> tuple[Any, Any]:
         if engine.version != 0:
             engine.load_weights(0, checkpoint)
     return a, b
-
-
-def run_all(engine: Any, max_steps: int = 20_000) -> dict[str, Trajectory]:
-    out: dict[str, Trajectory] = {}
-    for _ in range(max_steps):
-        if not engine.has_work():
-            break
-        for t in engine.step():
-            out[t.request.request_id] = t
-    assert not engine.has_work(), "engine did not finish"
-    return out
 
 
 def requests(tag: str, n: int = 3, **sampling: Any) -> list[Any]:

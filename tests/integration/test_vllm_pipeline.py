@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from dora.bus.server import NatsServer
-from dora.learner.metrics import read_metrics
 from dora.models import build_model, save_pretrained
 from dora.pipeline import load_pipeline
+from tests.integration.test_main_job import check_invariants
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -109,15 +109,8 @@ async def test_two_vllm_engines_run_dora_mode_with_migration(
     summary = await pipeline.run()
     assert summary["completed"]
 
-    metrics = read_metrics(run_dir)
-    assert [m["step"] for m in metrics] == list(range(STEPS))
-    assert all(m["values"]["staleness/max"] <= K for m in metrics)
+    trajectories = check_invariants(run_dir, STEPS, K)
     events = run_dir / "events"
-    trajectories = [json.loads(line) for line in (events / "trajectories.jsonl").open()]
-    ids = [t["request"]["request_id"] for t in trajectories]
-    assert len(ids) == len(set(ids)), "a request produced two trajectories"
-    dead = events / "deadletter.jsonl"
-    assert not dead.exists() or dead.read_text().strip() == ""
     assert all(t["version"] == t["request"]["version"] for t in trajectories)
     assert all(t["reprefilled_tokens"] == 0 for t in trajectories)
     migrated = [t for t in trajectories if t["migrations"]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dora.engines import Engine
 from dora.engines.torch import EngineConfig, TorchEngine
 from dora.events import Prompt, ResumeState, RolloutRequest, SamplingParams, Trajectory
 
@@ -38,7 +39,8 @@ def make_request(
     )
 
 
-def run_all(engine: TorchEngine, max_steps: int = 10_000) -> dict[str, Trajectory]:
+def run_all(engine: Engine, max_steps: int = 20_000) -> dict[str, Trajectory]:
+    """Step an engine (any kind) until it holds no work; its trajectories by request id."""
     out: dict[str, Trajectory] = {}
     for _ in range(max_steps):
         if not engine.has_work():

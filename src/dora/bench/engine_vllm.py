@@ -199,6 +199,23 @@ def tree_cpu_seconds(pid: int | None = None) -> float:
     return sum(stats[p][1] for p in tree if p in stats) / os.sysconf("SC_CLK_TCK")
 
 
+def _write_result(
+    out: Path, seconds: float, cpu_seconds: float, startup: float, lengths: list[int]
+) -> None:
+    """The child's timing JSON (with the cores and threads it ran with)."""
+    import torch
+
+    result = {
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "startup_s": startup,
+        "output_lengths": lengths,
+    }
+    out.write_text(json.dumps(result))
+
+
 def _child(directory: Path, job: Path, out: Path) -> None:
     """Body of the child process: start vLLM, warm up, time ``generate``, write the result."""
     from vllm import LLM
@@ -234,22 +251,13 @@ def _child(directory: Path, job: Path, out: Path) -> None:
     outputs = llm.generate(requests, sampling, use_tqdm=False)
     seconds = time.perf_counter() - start
     cpu_seconds = tree_cpu_seconds() - cpu
-    import torch
 
-    result = {
-        "cpus": sorted(os.sched_getaffinity(0)),
-        "torch_threads": torch.get_num_threads(),
-        "seconds": seconds,
-        "cpu_seconds": cpu_seconds,
-        "startup_s": startup,
-        "output_lengths": [len(o.outputs[0].token_ids) for o in outputs],
-    }
-    out.write_text(json.dumps(result))
+    lengths_out = [len(o.outputs[0].token_ids) for o in outputs]
+    _write_result(out, seconds, cpu_seconds, startup, lengths_out)
 
 
 def _child_protocol(directory: Path, job: Path, out: Path) -> None:
     """Body of the child with ``--protocol``: the same timing through ``VllmEngine``."""
-    import torch
 
     from dora.engines.vllm.config import VllmEngineConfig
     from dora.engines.vllm.engine import VllmEngine
@@ -295,15 +303,7 @@ def _child_protocol(directory: Path, job: Path, out: Path) -> None:
     seconds = time.perf_counter() - start
     cpu_seconds = tree_cpu_seconds() - cpu
     engine.close()
-    result = {
-        "cpus": sorted(os.sched_getaffinity(0)),
-        "torch_threads": torch.get_num_threads(),
-        "seconds": seconds,
-        "cpu_seconds": cpu_seconds,
-        "startup_s": startup,
-        "output_lengths": lengths_out,
-    }
-    out.write_text(json.dumps(result))
+    _write_result(out, seconds, cpu_seconds, startup, lengths_out)
 
 
 def main(argv: list[str] | None = None) -> None:

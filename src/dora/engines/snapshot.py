@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import time
+from dataclasses import dataclass
 
 import torch
 from pydantic import ValidationError
 from torch import Tensor
 
 from dora.engines.base import SnapshotError
-from dora.events import KVSnapshot
+from dora.events import KVSnapshot, Migration
 
 MAGIC = b"DORAKV01"
 _LEN = struct.Struct("<Q")
@@ -104,3 +106,40 @@ def payload_tensor(header: KVSnapshot, payload: memoryview) -> Tensor:
         return torch.empty(shape, dtype=dtype)
     raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     return raw.view(dtype).view(shape)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What an imported request carries on with on its new engine."""
+
+    versions: list[int]  # the policy version of each completion token
+    track_versions: bool  # it resumed tokens of another version (partial rollout)
+    engines: list[str]  # engines that decoded it, the new one last
+    migrations: list[Migration]  # with this move's record when it moved
+
+
+def arrival(h: KVSnapshot, engine_id: str, kv_bytes: int, moved: bool = True) -> Arrival:
+    """The bookkeeping of a snapshot arriving on ``engine_id`` (``moved``: a migration, not
+    a failed one restored on its source)."""
+    req = h.request
+    completion = len(h.completion_token_ids)
+    resume = req.resume
+    n_resumed = len(resume.token_ids) if resume else 0
+    versions = list(resume.token_versions) if resume and resume.token_versions else []
+    versions = (versions or [req.version] * n_resumed) + [h.version] * (completion - n_resumed)
+    engines = list(h.engines)
+    source = engines[-1] if engines else "unknown"
+    if not engines or engines[-1] != engine_id:
+        engines.append(engine_id)
+    migrations = list(h.migrations)
+    if moved:
+        migrations.append(
+            Migration(
+                source=source,
+                target=engine_id,
+                at_token=completion,
+                kv_bytes=kv_bytes,
+                seconds=max(0.0, time.time() - h.created_at),
+            )
+        )
+    return Arrival(versions, n_resumed > 0, engines, migrations)

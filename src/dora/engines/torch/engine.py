@@ -285,7 +285,7 @@ class TorchEngine:
         """Append the environment's reply to a parked request and go on decoding it: only the
         reply (and the turn's last sampled token) is prefilled; earlier turns keep their KV.
         The reply's tokens are masked out of the loss."""
-        from dora.engines.torch.admission import check_ids
+        from dora.engines.admission import check_ids
 
         seq = self._get(request_id)
         if seq.status is not SeqStatus.PARKED:

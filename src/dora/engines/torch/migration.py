@@ -8,20 +8,20 @@ continues decoding with no prefill. Everything that could make the KV invalid on
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
+from dora.engines.admission import check_ids
 from dora.engines.base import CapacityError, EngineError, SnapshotError, VersionMismatch
 from dora.engines.snapshot import (
+    arrival,
     decode_snapshot,
     dtype_name,
     encode_snapshot,
     payload_tensor,
     tensor_bytes,
 )
-from dora.engines.torch.admission import check_ids
 from dora.engines.torch.sequence import SeqStatus, Sequence
-from dora.events import KVSnapshot, Migration, Turn
+from dora.events import KVSnapshot, Turn
 
 if TYPE_CHECKING:
     from dora.engines.torch.engine import TorchEngine
@@ -138,21 +138,7 @@ def import_sequence(engine: TorchEngine, data: bytes) -> tuple[Sequence, bool]:
     blocks = engine.blocks.allocate(h.num_blocks)
     if blocks:
         engine.runner.scatter_blocks(blocks, kv)
-    resume = req.resume
-    n_resumed = len(resume.token_ids) if resume else 0
-    versions = list(resume.token_versions) if resume and resume.token_versions else []
-    versions = (versions or [req.version] * n_resumed) + [h.version] * (len(completion) - n_resumed)
-    engines = list(h.engines)
-    source = engines[-1] if engines else "unknown"
-    if not engines or engines[-1] != engine.engine_id:
-        engines.append(engine.engine_id)
-    migration = Migration(
-        source=source,
-        target=engine.engine_id,
-        at_token=len(completion),
-        kv_bytes=len(payload),
-        seconds=max(0.0, time.time() - h.created_at),
-    )
+    moved = arrival(h, engine.engine_id, len(payload))
     seq = Sequence(
         request=req,
         token_ids=prompt + completion,
@@ -160,14 +146,14 @@ def import_sequence(engine: TorchEngine, data: bytes) -> tuple[Sequence, bool]:
         version=h.version,
         priority=req.priority,
         logprobs=list(h.logprobs),
-        token_versions=versions,
-        track_versions=n_resumed > 0,
+        token_versions=moved.versions,
+        track_versions=moved.track_versions,
         num_computed=h.num_cached_tokens,
         block_table=blocks,
         recompute_hw=max(h.num_cached_tokens, h.recompute_tokens),
         reprefilled=h.reprefilled_tokens,
-        engines=engines,
-        migrations=[*h.migrations, migration],
+        engines=moved.engines,
+        migrations=moved.migrations,
         started_at=h.started_at,
         first_token_at=h.first_token_at,
         appended=spans,

@@ -34,8 +34,9 @@ from typing import Any
 
 import structlog
 
+from dora.engines.admission import admit, check_ids
 from dora.engines.base import EngineError, PartialOutput, SnapshotError, VersionMismatch
-from dora.engines.snapshot import decode_snapshot, encode_snapshot
+from dora.engines.snapshot import arrival, decode_snapshot, encode_snapshot
 from dora.engines.vllm.config import VllmEngineConfig
 from dora.engines.vllm.connector import IMPORT_KEY
 from dora.engines.vllm.exchange import Exchange, read_json, write_json
@@ -230,61 +231,22 @@ class VllmEngine:
                 f"request {rid}: multi-turn episodes (turn_stop_strings, park_on_stop) run on "
                 "the built-in engine; the vLLM engine does not park requests"
             )
-        if sp.max_tokens <= 0:
-            raise EngineError(
-                f"request {rid}: sampling.max_tokens must be > 0, got {sp.max_tokens}"
-            )
-        prompt = self._prompt_ids(request)
-        resume = request.resume
-        resumed = list(resume.token_ids) if resume else []
-        if resume is not None and len(resume.logprobs) != len(resumed):
-            raise EngineError(
-                f"request {rid}: resume.logprobs has {len(resume.logprobs)} entries for "
-                f"{len(resumed)} resume.token_ids"
-            )
-        if len(resumed) >= sp.max_tokens:
-            raise EngineError(
-                f"request {rid}: {len(resumed)} resumed tokens already reach "
-                f"sampling.max_tokens={sp.max_tokens}"
-            )
-        if len(prompt) + len(resumed) >= self.max_model_len:
-            raise EngineError(
-                f"request {rid}: prompt ({len(prompt)} tokens) + resumed ({len(resumed)}) "
-                f"leaves no room in the model's context of {self.max_model_len} tokens"
-            )
         vocab = int(self.model_config["vocab_size"])
-        _check_ids("prompt_token_ids", prompt, vocab)
-        _check_ids("resume.token_ids", resumed, vocab)
-        _check_ids("sampling.stop_token_ids", list(sp.stop_token_ids), vocab)
-        if not request.prompt_token_ids:
-            request = request.model_copy(update={"prompt_token_ids": tuple(prompt)})
-        versions = list(resume.token_versions) if resume and resume.token_versions else []
-        engines = list(resume.engines) if resume else []
-        if not engines or engines[-1] != self.engine_id:
-            engines.append(self.engine_id)
+        a = admit(request, self.tokenizer, vocab, self.max_model_len, self.engine_id)
+        resume = a.request.resume
         held = _Held(
-            request=request,
-            prompt=prompt,
-            tokens=resumed,
-            logprobs=list(resume.logprobs) if resume else [],
-            token_versions=versions or [request.version] * len(resumed),
-            track_versions=bool(resumed),
-            engines=engines,
+            request=a.request,
+            prompt=a.prompt,
+            tokens=a.resumed,
+            logprobs=a.resumed_logprobs,
+            token_versions=a.versions,
+            track_versions=bool(a.resumed),
+            engines=a.engines,
             reprefilled=resume.reprefilled_tokens if resume else 0,
-            recompute_mark=len(prompt) + len(resumed) if resume is not None else 0,
+            recompute_mark=a.context if resume is not None else 0,
             added_at=time.time(),
         )
         self._submit(held)
-
-    def _prompt_ids(self, request: RolloutRequest) -> list[int]:
-        if request.prompt_token_ids:
-            return list(request.prompt_token_ids)
-        if self.tokenizer is None:
-            raise EngineError(
-                f"request {request.request_id}: prompt_token_ids is empty and the engine has no "
-                "tokenizer to encode prompt.text"
-            )
-        return self.tokenizer.encode(request.prompt.text, add_bos=True)
 
     def _submit(self, held: _Held, kv: dict[str, Any] | None = None) -> None:
         """Add ``held`` to vLLM with its whole context as the prompt (KV from ``kv``)."""
@@ -623,44 +585,24 @@ class VllmEngine:
         if not prompt or len(h.logprobs) != len(completion):
             raise SnapshotError(f"snapshot of {rid}: empty prompt or logprobs/tokens length differ")
         vocab = int(self.model_config["vocab_size"])
-        _check_ids("prompt_token_ids", prompt, vocab)
-        _check_ids("completion_token_ids", completion, vocab)
+        check_ids("prompt_token_ids", prompt, vocab)
+        check_ids("completion_token_ids", completion, vocab)
         context = len(prompt) + len(completion)
         if h.num_cached_tokens > context - 1:
             raise SnapshotError(
                 f"snapshot of {rid}: {h.num_cached_tokens} cached tokens for a context of "
                 f"{context} (at most {context - 1})"
             )
-        resume = req.resume
-        n_resumed = len(resume.token_ids) if resume else 0
-        versions = list(resume.token_versions) if resume and resume.token_versions else []
-        versions = (versions or [req.version] * n_resumed) + [h.version] * (
-            len(completion) - n_resumed
-        )
-        engines = list(h.engines)
-        source = engines[-1] if engines else "unknown"
-        if not engines or engines[-1] != self.engine_id:
-            engines.append(self.engine_id)
-        migrations = list(h.migrations)
-        if migrating:
-            migrations.append(
-                Migration(
-                    source=source,
-                    target=self.engine_id,
-                    at_token=len(completion),
-                    kv_bytes=len(payload),
-                    seconds=max(0.0, time.time() - h.created_at),
-                )
-            )
+        moved = arrival(h, self.engine_id, len(payload), moved=migrating)
         held = _Held(
             request=req,
             prompt=prompt,
             tokens=completion,
             logprobs=list(h.logprobs),
-            token_versions=versions,
-            track_versions=n_resumed > 0,
-            engines=engines,
-            migrations=migrations,
+            token_versions=moved.versions,
+            track_versions=moved.track_versions,
+            engines=moved.engines,
+            migrations=moved.migrations,
             reprefilled=h.reprefilled_tokens,
             recompute_mark=h.recompute_tokens,
             started_at=h.started_at,
@@ -763,14 +705,6 @@ class VllmEngine:
             self.llm.engine_core.shutdown()
         finally:
             shutil.rmtree(self.exchange.root, ignore_errors=True)
-
-
-def _check_ids(field_name: str, ids: list[int], vocab: int) -> None:
-    for i, t in enumerate(ids):
-        if not 0 <= t < vocab:
-            raise EngineError(
-                f"{field_name}[{i}] = {t} is not a token id of the model [0, {vocab})"
-            )
 
 
 def _load_tokenizer(directory: Path) -> Any:
