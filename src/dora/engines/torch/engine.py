@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import structlog
 import torch
 
 from dora.engines.base import EngineError, PartialOutput, TurnEnd, VersionMismatch
+from dora.engines.rate import TokenRate
 from dora.engines.torch.block_manager import BlockManager
 from dora.engines.torch.config import EngineConfig
 from dora.engines.torch.model_runner import ModelRunner, ScheduledSeq
@@ -103,7 +103,7 @@ class TorchEngine:
         self._seqs: dict[str, Sequence] = {}
         self._exported: dict[str, Sequence] = {}
         self._turn_ends: list[TurnEnd] = []
-        self._rate: deque[tuple[float, int]] = deque()
+        self._rate = TokenRate()
 
     # ------------------------------------------------------------------ constructors
 
@@ -257,7 +257,7 @@ class TorchEngine:
             elif turn_ended(seq, self.tokenizer):
                 self._park(seq)
         self.counters.generated_tokens += len(order)
-        self._rate.append((now, len(order)))
+        self._rate.add(now, len(order))
         return finished
 
     # ------------------------------------------------------------------ multi-turn episodes
@@ -412,15 +412,9 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ status
 
-    def tokens_per_s(self, window: float = 10.0) -> float:
-        """Sampled tokens per second over the last ``window`` seconds."""
-        now = time.time()
-        while self._rate and self._rate[0][0] < now - window:
-            self._rate.popleft()
-        if len(self._rate) < 2:
-            return 0.0
-        span = max(now - self._rate[0][0], 1e-6)
-        return sum(n for _, n in self._rate) / span
+    def tokens_per_s(self) -> float:
+        """Sampled tokens per second over the last 10 s of steps."""
+        return self._rate.per_s()
 
     def status(self) -> EngineStatus:
         held = list(self._seqs.values())

@@ -26,7 +26,6 @@ import os
 import tempfile
 import time
 import uuid
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,7 @@ import structlog
 
 from dora.engines.admission import admit, check_ids
 from dora.engines.base import EngineError, PartialOutput, SnapshotError, VersionMismatch
+from dora.engines.rate import TokenRate
 from dora.engines.snapshot import arrival, decode_snapshot, encode_snapshot
 from dora.engines.vllm.config import VllmEngineConfig
 from dora.engines.vllm.connector import IMPORT_KEY
@@ -187,7 +187,7 @@ class VllmEngine:
         self._held: dict[str, _Held] = {}
         self._by_external: dict[str, str] = {}
         self._ids = itertools.count()
-        self._rate: deque[tuple[float, int]] = deque()
+        self._rate = TokenRate()
         self.counters = {"exported": 0, "imported": 0, "fallback_exports": 0, "finished": 0}
         log.info(
             "vllm_engine_started",
@@ -381,7 +381,7 @@ class VllmEngine:
             if held is None or held.snapshot is not None:
                 continue  # exported: the target draws these tokens again
             produced += self._take(held, out, now, finished)
-        self._rate.append((now, produced))
+        self._rate.add(now, produced)
         return finished
 
     def _take(self, held: _Held, out: Any, now: float, finished: list[Trajectory]) -> int:
@@ -658,13 +658,9 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ status
 
-    def tokens_per_s(self, window: float = 10.0) -> float:
-        now = time.time()
-        while self._rate and self._rate[0][0] < now - window:
-            self._rate.popleft()
-        if len(self._rate) < 2:
-            return 0.0
-        return sum(n for _, n in self._rate) / max(now - self._rate[0][0], 1e-6)
+    def tokens_per_s(self) -> float:
+        """Sampled tokens per second over the last 10 s of steps."""
+        return self._rate.per_s()
 
     def status(self) -> EngineStatus:
         stats = self._stats.get("scheduler")
