@@ -31,14 +31,19 @@ test: $(STAMP)
 # The vllm extra in a venv of its own: vLLM brings newer numpy and transformers than the
 # main venv's, and its wheel pulls torchvision/torchaudio/torchcodec, which dora does not use.
 VLLM_VENV ?= .venv-vllm
-vllm:
+VLLM_STAMP := $(VLLM_VENV)/.dora-installed
+
+$(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q "$(TORCH)"
 	$(VLLM_VENV)/bin/pip install -q -e ".[dev,vllm]" "$(TORCH)"
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $(VLLM_STAMP)
 
-test-vllm: vllm
+vllm: $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -m vllm
 
 lint: $(STAMP)
