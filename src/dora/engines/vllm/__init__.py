@@ -1,9 +1,10 @@
 """vLLM as a dora engine (extra ``vllm``): the Engine protocol on vLLM's ``LLMEngine``.
 
 One concept per module: ``config`` (VllmEngineConfig), ``engine`` (``VllmEngine``, the front
-end), ``connector`` (``DoraKVConnector``: KV blocks out of and into vLLM), ``exchange`` (the
-files the two share), ``sampling`` (dora's deterministic sampling as a logits processor),
-``worker`` (weights loaded in place through ``collective_rpc``).
+end), ``held`` (a request as the front end knows it), ``migration`` (export and import),
+``connector`` (``DoraKVConnector``: KV blocks out of and into vLLM), ``exchange`` (the files
+the two share), ``sampling`` (dora's deterministic sampling as a logits processor), ``worker``
+(weights loaded in place through ``collective_rpc``).
 
 Importing this package does not import vLLM; ``VllmEngine`` does, when constructed.
 """

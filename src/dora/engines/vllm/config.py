@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+KIND = "vllm"
+"""``EngineStatus.engine_kind`` of these engines: requests migrate only within a kind."""
+
 
 @dataclass(frozen=True)
 class VllmEngineConfig:

@@ -25,26 +25,23 @@ import json
 import os
 import tempfile
 import time
-import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from dora.engines.admission import admit, check_ids
-from dora.engines.base import EngineError, PartialOutput, SnapshotError, VersionMismatch
+from dora.engines.admission import admit
+from dora.engines.base import EngineError, PartialOutput, VersionMismatch
 from dora.engines.rate import TokenRate
-from dora.engines.snapshot import arrival, decode_snapshot, encode_snapshot
-from dora.engines.vllm.config import VllmEngineConfig
+from dora.engines.vllm.config import KIND, VllmEngineConfig
 from dora.engines.vllm.connector import IMPORT_KEY
-from dora.engines.vllm.exchange import Exchange, read_json, write_json
+from dora.engines.vllm.exchange import Exchange
+from dora.engines.vllm.held import HeldRequest
+from dora.engines.vllm.migration import export_held, held_from_snapshot
 from dora.engines.vllm.sampling import EXTRA_KEY, dora_args
 from dora.events import (
     EngineStatus,
-    KVSnapshot,
-    Migration,
     RolloutRequest,
     RunningRequest,
     Timings,
@@ -52,39 +49,6 @@ from dora.events import (
 )
 
 log = structlog.get_logger(__name__)
-
-KIND = "vllm"
-
-
-@dataclass
-class _Held:
-    """A request as this front end knows it."""
-
-    request: RolloutRequest
-    prompt: list[int]
-    tokens: list[int]  # the whole completion so far (earlier engines' tokens included)
-    logprobs: list[float]
-    token_versions: list[int]
-    track_versions: bool
-    engines: list[str]
-    migrations: list[Migration] = field(default_factory=list)
-    reprefilled: int = 0
-    # context tokens vLLM must hold KV for before decoding; what it computes below this
-    # mark that an earlier engine had computed is re-prefill
-    recompute_mark: int = 0
-    started_at: float = 0.0
-    first_token_at: float = 0.0
-    added_at: float = 0.0
-    external_id: str = ""
-    vllm_id: str = ""
-    import_file: Path | None = None
-    snapshot: bytes | None = None  # set while exported and unconfirmed
-    exact: bool = True
-    seen: bool = False  # an output of it came (its context's KV is in place)
-
-    @property
-    def context(self) -> int:
-        return len(self.prompt) + len(self.tokens)
 
 
 class _LatestStats:
@@ -184,7 +148,7 @@ class VllmEngine:
         self.num_blocks: int = layout["num_blocks"]
         self.eos_token_id = None if cfg.ignore_eos else self.model_config.get("eos_token_id")
         self._version = version
-        self._held: dict[str, _Held] = {}
+        self._held: dict[str, HeldRequest] = {}
         self._by_external: dict[str, str] = {}
         self._ids = itertools.count()
         self._rate = TokenRate()
@@ -234,7 +198,7 @@ class VllmEngine:
         vocab = int(self.model_config["vocab_size"])
         a = admit(request, self.tokenizer, vocab, self.max_model_len, self.engine_id)
         resume = a.request.resume
-        held = _Held(
+        held = HeldRequest(
             request=a.request,
             prompt=a.prompt,
             tokens=a.resumed,
@@ -248,7 +212,7 @@ class VllmEngine:
         )
         self._submit(held)
 
-    def _submit(self, held: _Held, kv: dict[str, Any] | None = None) -> None:
+    def _submit(self, held: HeldRequest, kv: dict[str, Any] | None = None) -> None:
         """Add ``held`` to vLLM with its whole context as the prompt (KV from ``kv``)."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -294,13 +258,13 @@ class VllmEngine:
     def num_requests(self) -> int:
         return len(self._held)
 
-    def _get(self, request_id: str) -> _Held:
+    def _get(self, request_id: str) -> HeldRequest:
         held = self._held.get(request_id)
         if held is None:
             raise EngineError(f"unknown request_id {request_id!r} in engine {self.engine_id}")
         return held
 
-    def _forget(self, held: _Held) -> None:
+    def _forget(self, held: HeldRequest) -> None:
         self._held.pop(held.request.request_id, None)
         self._by_external.pop(held.external_id, None)
         if held.import_file is not None:
@@ -384,7 +348,7 @@ class VllmEngine:
         self._rate.add(now, produced)
         return finished
 
-    def _take(self, held: _Held, out: Any, now: float, finished: list[Trajectory]) -> int:
+    def _take(self, held: HeldRequest, out: Any, now: float, finished: list[Trajectory]) -> int:
         """Append one output's new tokens; finish the request when it is done."""
         if not held.seen:
             held.seen = True
@@ -417,7 +381,7 @@ class VllmEngine:
             finished.append(self._finish(held, reason, now))
         return taken
 
-    def _stop(self, held: _Held) -> str | None:
+    def _stop(self, held: HeldRequest) -> str | None:
         sp = held.request.sampling
         last = held.tokens[-1]
         if (self.eos_token_id is not None and last == self.eos_token_id) or (
@@ -433,7 +397,7 @@ class VllmEngine:
             return "length"
         return None
 
-    def _finish(self, held: _Held, reason: str, now: float) -> Trajectory:
+    def _finish(self, held: HeldRequest, reason: str, now: float) -> Trajectory:
         self._forget(held)
         self.counters["finished"] += 1
         req = held.request
@@ -469,89 +433,9 @@ class VllmEngine:
         held = self._get(request_id)
         if held.snapshot is not None:
             raise EngineError(f"request {request_id} is already exported")
-        wanted = held.context - 1
-        vid = held.vllm_id
-        if not self.config.kv_connector:  # tokens only: the target re-prefills (counted)
-            self.llm.abort_request([vid], internal=True)
-            return self._snapshot(held, b"", (), 0, wanted, "no KV connector")
-        write_json(self.exchange.export_order(vid), {"num_tokens": wanted})
-        self.llm.engine_core.abort_requests([vid])
-        # a barrier: the engine core handles its inputs in order, so once this call returns
-        # the abort has reached the scheduler (and the connector said whether it took it)
-        self.llm.collective_rpc("dora_ping")
-        accepted = read_json(self.exchange.accepted(vid))
-        if accepted is None:  # it finished on its own first: its output is on its way
-            self.exchange.clear(vid)
-            raise EngineError(f"request {request_id} finished before it could be exported")
-        payload, shape, cached = b"", (), 0
-        reason = accepted.get("reason", "")
-        meta = self._wait_for(self.exchange.kv_meta(vid)) if accepted.get("ok") else None
-        if meta is not None:
-            payload = self.exchange.kv_data(vid).read_bytes()
-            shape, cached = tuple(meta["shape"]), int(meta["num_tokens"])
-        else:  # the tokens go without their KV: the target re-prefills and counts it
-            reason = reason or f"no blocks from the worker in {self.config.export_timeout_s} s"
-        self.llm.output_processor.abort_requests([vid], internal=True)
-        self.exchange.clear(vid)
-        return self._snapshot(held, payload, shape, cached, wanted, reason)
+        return export_held(self, held)
 
-    def _snapshot(
-        self,
-        held: _Held,
-        payload: bytes,
-        shape: tuple[int, ...],
-        cached: int,
-        wanted: int,
-        reason: str,
-    ) -> bytes:
-        """Snapshot bytes of an exported request (its KV, or none: ``cached`` 0)."""
-        if not cached:
-            self.counters["fallback_exports"] += 1
-            log.warning("export_without_kv", request=held.request.request_id, reason=reason)
-        header = KVSnapshot(
-            request=held.request,
-            version=held.request.version,
-            model_fingerprint=self.model_fingerprint,
-            dtype=self.dtype,
-            block_size=self.block_size,
-            num_layers=self.num_layers,
-            num_kv_heads=int(
-                self.model_config.get("num_key_value_heads")
-                or self.model_config["num_attention_heads"]
-            ),
-            head_dim=int(
-                self.model_config.get("head_dim")
-                or self.model_config["hidden_size"] // self.model_config["num_attention_heads"]
-            ),
-            num_blocks=-(-cached // self.block_size),
-            num_cached_tokens=cached,
-            completion_token_ids=tuple(held.tokens),
-            logprobs=tuple(held.logprobs),
-            engines=tuple(held.engines),
-            migrations=tuple(held.migrations),
-            started_at=held.started_at,
-            first_token_at=held.first_token_at,
-            kv_bytes=len(payload),
-            reprefilled_tokens=held.reprefilled,
-            # every token before the last received one had KV here (none if none came yet)
-            recompute_tokens=max(held.recompute_mark, wanted if held.seen else 0),
-            layout=self.layout,
-            kv_shape=shape,
-        )
-        held.snapshot = encode_snapshot(header, payload)
-        self.counters["exported"] += 1
-        return held.snapshot
-
-    def _wait_for(self, path: Path) -> dict[str, Any] | None:
-        """The JSON the worker writes once the blocks are out, or None after the timeout."""
-        deadline = time.monotonic() + self.config.export_timeout_s
-        while True:
-            data = read_json(path)
-            if data is not None or time.monotonic() > deadline:
-                return data
-            time.sleep(0.0005)
-
-    def _exported(self, request_id: str) -> _Held:
+    def _exported(self, request_id: str) -> HeldRequest:
         held = self._held.get(request_id)
         if held is None or held.snapshot is None:
             raise EngineError(f"request {request_id!r} is not exported from {self.engine_id}")
@@ -566,95 +450,13 @@ class VllmEngine:
         snapshot, held.snapshot = held.snapshot, None
         self._held.pop(request_id)
         assert snapshot is not None
-        self._import(snapshot, migrating=False)
+        self._submit(*held_from_snapshot(self, snapshot, moved=False))
 
     def import_request(self, snapshot: bytes) -> str:
-        rid = self._import(snapshot, migrating=True)
-        self.counters["imported"] += 1
-        return rid
-
-    def _import(self, snapshot: bytes, migrating: bool) -> str:
-        h, payload = decode_snapshot(snapshot)
-        self._check_compatible(h)
-        req = h.request
-        rid = req.request_id
-        if rid in self._held:
-            raise EngineError(f"request_id {rid!r} is already in engine {self.engine_id}")
-        completion = list(h.completion_token_ids)
-        prompt = list(req.prompt_token_ids)
-        if not prompt or len(h.logprobs) != len(completion):
-            raise SnapshotError(f"snapshot of {rid}: empty prompt or logprobs/tokens length differ")
-        vocab = int(self.model_config["vocab_size"])
-        check_ids("prompt_token_ids", prompt, vocab)
-        check_ids("completion_token_ids", completion, vocab)
-        context = len(prompt) + len(completion)
-        if h.num_cached_tokens > context - 1:
-            raise SnapshotError(
-                f"snapshot of {rid}: {h.num_cached_tokens} cached tokens for a context of "
-                f"{context} (at most {context - 1})"
-            )
-        moved = arrival(h, self.engine_id, len(payload), moved=migrating)
-        held = _Held(
-            request=req,
-            prompt=prompt,
-            tokens=completion,
-            logprobs=list(h.logprobs),
-            token_versions=moved.versions,
-            track_versions=moved.track_versions,
-            engines=moved.engines,
-            migrations=moved.migrations,
-            reprefilled=h.reprefilled_tokens,
-            recompute_mark=h.recompute_tokens,
-            started_at=h.started_at,
-            first_token_at=h.first_token_at,
-            added_at=time.time(),
-        )
-        kv = None
-        if h.num_cached_tokens and self.config.kv_connector:  # else re-prefilled, counted
-            held.import_file = self.exchange.root / "import" / f"{uuid.uuid4().hex}.bin"
-            held.import_file.write_bytes(payload)
-            kv = {
-                "path": str(held.import_file),
-                "shape": list(h.kv_shape),
-                "dtype": h.dtype,
-                "num_tokens": h.num_cached_tokens,
-            }
+        held, kv = held_from_snapshot(self, snapshot, moved=True)
         self._submit(held, kv)
-        return rid
-
-    def _check_compatible(self, h: KVSnapshot) -> None:
-        rid = h.request.request_id
-        if h.layout != self.layout:
-            raise SnapshotError(
-                f"snapshot of request {rid} holds KV in the {h.layout!r} layout; engine "
-                f"{self.engine_id} ({KIND}) loads only {self.layout!r}"
-            )
-        if self._version is None or h.version != self._version:
-            raise VersionMismatch(
-                f"snapshot of request {rid} is version {h.version}; engine {self.engine_id} "
-                f"serves version {self._version}"
-            )
-        if h.request.version != h.version:
-            raise SnapshotError(
-                f"snapshot version {h.version} != request version {h.request.version}"
-            )
-        if h.model_fingerprint != self.model_fingerprint:
-            raise SnapshotError(
-                f"snapshot of request {rid} was made for another model or dtype (fingerprint "
-                f"{h.model_fingerprint}); this engine is {self.model_fingerprint}"
-            )
-        if h.block_size != self.block_size or h.dtype != self.dtype:
-            raise SnapshotError(
-                f"snapshot block_size/dtype {h.block_size}/{h.dtype} != engine "
-                f"{self.block_size}/{self.dtype}"
-            )
-        if h.num_cached_tokens:
-            expected = [self.num_layers, *self.layer_shape]
-            expected[1 + self.block_dim] = h.num_blocks
-            if list(h.kv_shape) != expected:
-                raise SnapshotError(
-                    f"snapshot of request {rid}: KV shape {list(h.kv_shape)} != {expected}"
-                )
+        self.counters["imported"] += 1
+        return held.request.request_id
 
     # ------------------------------------------------------------------ status
 
