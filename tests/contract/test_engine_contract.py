@@ -115,6 +115,26 @@ def test_tokens_equal_the_built_in_engine_alone_or_batched(
         assert a.logprobs_exact and a.reprefilled_tokens == 0
 
 
+def test_filtered_sampling_keeps_the_tokens_and_says_when_logprobs_are_raw(
+    pair: tuple[Any, Any], checkpoint: Path
+) -> None:
+    """Temperature 0.7 with top-k and top-p: the same tokens as the built-in engine. Where the
+    engine reports raw logprobs instead of the filtered distribution's (vLLM), the trajectory
+    says so."""
+    engine, _ = pair
+    reqs = requests("p", 3, temperature=0.7, top_k=5, top_p=0.9, max_tokens=40)
+    for r in reqs:
+        engine.add_request(r)
+    got = run_all(engine)
+    want = reference(checkpoint, reqs)
+    for r in reqs:
+        a, b = got[r.request_id], want[r.request_id]
+        assert a.completion_token_ids == b.completion_token_ids
+        assert a.logprobs_exact == isinstance(engine, TorchEngine)
+        if a.logprobs_exact:
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-3)
+
+
 def test_a_prompt_longer_than_one_forward_is_prefilled_in_chunks(
     pair: tuple[Any, Any], checkpoint: Path
 ) -> None:
