@@ -108,6 +108,21 @@ def payload_tensor(header: KVSnapshot, payload: memoryview) -> Tensor:
     return raw.view(dtype).view(shape)
 
 
+def snapshot_tokens(h: KVSnapshot, vocab: int) -> tuple[list[int], list[int]]:
+    """The prompt and completion a snapshot carries, checked: a prompt, a logprob per
+    completion token, every id in the model's vocabulary."""
+    from dora.engines.admission import check_ids
+
+    rid = h.request.request_id
+    prompt = list(h.request.prompt_token_ids)
+    completion = list(h.completion_token_ids)
+    if not prompt or len(h.logprobs) != len(completion):
+        raise SnapshotError(f"snapshot of {rid}: empty prompt or logprobs/tokens length differ")
+    check_ids("prompt_token_ids", prompt, vocab)
+    check_ids("completion_token_ids", completion, vocab)
+    return prompt, completion
+
+
 @dataclass(frozen=True)
 class Arrival:
     """What an imported request carries on with on its new engine."""

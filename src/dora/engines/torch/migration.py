@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dora.engines.admission import check_ids
 from dora.engines.base import CapacityError, EngineError, SnapshotError, VersionMismatch
 from dora.engines.snapshot import (
     arrival,
@@ -18,6 +17,7 @@ from dora.engines.snapshot import (
     dtype_name,
     encode_snapshot,
     payload_tensor,
+    snapshot_tokens,
     tensor_bytes,
 )
 from dora.engines.torch.sequence import SeqStatus, Sequence
@@ -107,14 +107,8 @@ def import_sequence(engine: TorchEngine, data: bytes) -> tuple[Sequence, bool]:
     rid = req.request_id
     if rid in engine._seqs:
         raise EngineError(f"request_id {rid!r} is already in engine {engine.engine_id}")
-    prompt = list(req.prompt_token_ids)
-    completion = list(h.completion_token_ids)
-    vocab = engine.model.config.vocab_size
-    check_ids("prompt_token_ids", prompt, vocab)
-    check_ids("completion_token_ids", completion, vocab)
+    prompt, completion = snapshot_tokens(h, engine.model.config.vocab_size)
     total = len(prompt) + len(completion)
-    if not prompt or len(h.logprobs) != len(completion):
-        raise SnapshotError(f"snapshot of {rid}: empty prompt or logprobs/tokens length differ")
     spans = [(t.start, t.end, t.role) for t in h.appended]
     if any(not 0 <= a < b <= len(completion) for a, b, _ in spans) or h.turn_start > len(
         completion

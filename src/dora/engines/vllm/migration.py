@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from dora.engines.admission import check_ids
 from dora.engines.base import EngineError, SnapshotError, VersionMismatch
-from dora.engines.snapshot import arrival, decode_snapshot, encode_snapshot
+from dora.engines.snapshot import arrival, decode_snapshot, encode_snapshot, snapshot_tokens
 from dora.engines.vllm.config import KIND
 from dora.engines.vllm.exchange import read_json, write_json
 from dora.engines.vllm.held import HeldRequest
@@ -126,13 +125,7 @@ def held_from_snapshot(
     rid = req.request_id
     if rid in engine._held:
         raise EngineError(f"request_id {rid!r} is already in engine {engine.engine_id}")
-    completion = list(h.completion_token_ids)
-    prompt = list(req.prompt_token_ids)
-    if not prompt or len(h.logprobs) != len(completion):
-        raise SnapshotError(f"snapshot of {rid}: empty prompt or logprobs/tokens length differ")
-    vocab = int(engine.model_config["vocab_size"])
-    check_ids("prompt_token_ids", prompt, vocab)
-    check_ids("completion_token_ids", completion, vocab)
+    prompt, completion = snapshot_tokens(h, int(engine.model_config["vocab_size"]))
     context = len(prompt) + len(completion)
     if h.num_cached_tokens > context - 1:
         raise SnapshotError(
