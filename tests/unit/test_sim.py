@@ -108,3 +108,34 @@ def test_new_requests_are_spread_over_engines_with_room() -> None:
     fleet.feed(0)
     assert [c.num_requests() for c in fleet.cores] == [2] * 8
     assert not fleet.queues[0]
+
+
+def test_oracle_start_orders_queue_the_longest_work_first() -> None:
+    """The critical-path yardsticks: longest request first, or groups by drawn difficulty."""
+    import math
+
+    from dora.sim.fleet import Fleet
+
+    fleet = Fleet(replace(SMALL, mode="dora"))
+    fifo = fleet.dispatch_groups(0, 5)
+    assert [r.rid for r in fleet.queues[0]] == [r.rid for g in fifo for r in g.requests]
+    fleet.queues[0].clear()
+    fleet.dispatch_groups(0, 5, "oracle_request")
+    lengths = [r.spec.decode_tokens for r in fleet.queues[0]]
+    assert lengths == sorted(lengths, reverse=True) and len(set(lengths)) > 1
+    fleet.queues[0].clear()
+    groups = fleet.dispatch_groups(0, 5, "oracle_group")
+    difficulty = {
+        g.gid: sum(math.log(r.spec.decode_tokens) for r in g.requests) for g in groups
+    }
+    queued = [difficulty[r.group] for r in fleet.queues[0]]
+    assert queued == sorted(queued, reverse=True) and len(set(queued)) == 5
+
+
+def test_an_oracle_start_order_runs_and_is_checked_at_load() -> None:
+    a = simulate(replace(SMALL, mode="dora"))
+    b = simulate(replace(SMALL, mode="dora", start_order="oracle_request"))
+    assert a.finished > 0 and b.finished > 0
+    assert a.to_dict() != b.to_dict()
+    with pytest.raises(ValueError, match="start_order"):
+        SimConfig(start_order="shortest")  # type: ignore[arg-type]

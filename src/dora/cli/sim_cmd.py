@@ -41,6 +41,12 @@ def cli(
     plan_debounce: float = typer.Option(
         1.0, min=0.0, help="Plan this soon after an old-version engine runs dry (dora)."
     ),
+    start_order: str = typer.Option(
+        "fifo",
+        help="dora's queue order of admitted groups: fifo (the policy), or a yardstick that "
+        "reads the drawn lengths: oracle_request (longest first), oracle_group (groups by "
+        "difficulty, the most a per-prompt length history could know).",
+    ),
     seed: int = typer.Option(0, min=0, help="Seed of prompts and lengths."),
     json_out: Path = typer.Option(Path("runs/sim/sim.json"), "--json", help="JSON output."),
     png_out: Path | None = typer.Option(None, "--png", help="PNG (default: next to JSON)."),
@@ -69,6 +75,7 @@ def cli(
             train_flops_per_token=train_flops,
             plan_tick_s=plan_tick,
             plan_debounce_s=plan_debounce,
+            start_order=start_order,  # type: ignore[arg-type]
             seed=seed,
         )
     except ValueError as exc:

@@ -8,6 +8,13 @@ from typing import Literal
 from dora.engines.sim.cost import DENSE_32B, CostModel
 from dora.engines.sim.workload import DAPO_16K, Workload
 
+StartOrder = Literal["fifo", "oracle_request", "oracle_group"]
+START_ORDERS: tuple[StartOrder, ...] = ("fifo", "oracle_request", "oracle_group")
+"""How dora mode queues a batch of admitted groups. ``fifo`` is the policy; the two oracle
+orders are yardsticks of critical-path scheduling, not policies: they read the lengths the
+workload drew (longest request first; or groups by their mean log-length, the most a
+per-prompt length history could know)."""
+
 Mode = Literal["sync", "one_step_off", "partial", "partial_sync", "dora", "dora_noreuse"]
 MODES: tuple[Mode, ...] = (
     "sync",
@@ -64,6 +71,7 @@ class SimConfig:
     plan_debounce_s: float = 1.0  # ... and this soon after an engine of an old version runs dry
     migration_bw: float | None = None  # bytes/s; None: the cost model's
     migrate_urgent: bool = True  # plan may consolidate urgent requests (with K=1 all are)
+    start_order: StartOrder = "fifo"  # dora mode only; see START_ORDERS
 
     def __post_init__(self) -> None:
         if self.engines < 1:
@@ -76,6 +84,10 @@ class SimConfig:
             raise ValueError("batch_groups and group_size must be >= 1")
         if self.staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {self.staleness}")
+        if self.start_order not in START_ORDERS:
+            raise ValueError(
+                f"start_order: unknown {self.start_order!r}; known: {list(START_ORDERS)}"
+            )
         if self.plan_tick_s <= 0:
             raise ValueError(f"plan_tick_s must be > 0, got {self.plan_tick_s}")
 

@@ -89,8 +89,8 @@ class DoraDriver(StreamingDriver):
         if version is None:
             return
         n = self.window.admit(version)
-        for _ in range(n):
-            self.window.dispatched_group(fleet.dispatch_group(version))
+        for group in fleet.dispatch_groups(version, n, self.cfg.start_order):
+            self.window.dispatched_group(group)
         if n:
             fleet.feed(version)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dora.engines.sim.core import SimRequest, TimingCore
-from dora.sim.config import SimConfig
+from dora.sim.config import SimConfig, StartOrder
 
 INF = math.inf
 
@@ -111,6 +111,24 @@ class Fleet:
     def dispatch_group(self, version: int, queue: int | None = None) -> Group:
         """Tag a new group with ``version`` and queue its samples (on ``queue``, default the
         version's own queue)."""
+        group = self._new_group(version)
+        self.queues[version if queue is None else queue].extend(group.requests)
+        return group
+
+    def dispatch_groups(self, version: int, n: int, order: StartOrder = "fifo") -> list[Group]:
+        """Tag ``n`` new groups with ``version`` and queue their samples in ``order`` (the
+        oracle orders are yardsticks: they read the drawn lengths; see ``START_ORDERS``)."""
+        groups = [self._new_group(version) for _ in range(n)]
+        reqs = [r for g in groups for r in g.requests]
+        if order == "oracle_request":
+            reqs.sort(key=lambda r: -r.spec.decode_tokens)  # stable: ties keep FIFO order
+        elif order == "oracle_group":
+            mean_log = {g.gid: _mean_log_length(g) for g in groups}
+            reqs.sort(key=lambda r: -mean_log[r.group])
+        self.queues[version].extend(reqs)
+        return groups
+
+    def _new_group(self, version: int) -> Group:
         gid = len(self.groups)
         specs = self.cfg.workload.group(self.cfg.seed, gid, self.cfg.group_size)
         reqs = []
@@ -121,7 +139,6 @@ class Fleet:
             self.requests[rid] = req
         group = Group(gid, version, reqs, self.now)
         self.groups.append(group)
-        self.queues[version if queue is None else queue].extend(reqs)
         return group
 
     def fill(self, e: int, queue: int | None = None) -> None:
@@ -204,3 +221,10 @@ class Fleet:
         if group.finished:
             group.finished_at = req.finished_at
             self.on_group_done(group)
+
+
+def _mean_log_length(group: Group) -> float:
+    """The group's mean log decode length: its prompt's difficulty as drawn."""
+    return sum(math.log(max(r.spec.decode_tokens, 1)) for r in group.requests) / len(
+        group.requests
+    )

@@ -46,6 +46,7 @@ def table(cfg: SimConfig, results: list[SimResult]) -> Table:
         title=(
             f"dora sim: {cfg.cost.name} on H200, workload {cfg.workload.name}, "
             f"B={cfg.batch_groups}x{cfg.group_size}, K={cfg.staleness}, seed {cfg.seed}"
+            + ("" if cfg.start_order == "fifo" else f", dora start order {cfg.start_order}")
         )
     )
     for col in (
@@ -102,6 +103,7 @@ def save_json(path: Path, cfg: SimConfig, results: list[SimResult], wall_s: floa
             "trainer_gpus": cfg.trainer_gpus or "engines",
             "plan_tick_s": cfg.plan_tick_s,
             "plan_debounce_s": cfg.plan_debounce_s,
+            "start_order": cfg.start_order,
             "max_seqs": results[0].max_seqs if results else None,
         },
         "paper": PAPER,
