@@ -125,9 +125,7 @@ def test_oracle_start_orders_queue_the_longest_work_first() -> None:
     assert lengths == sorted(lengths, reverse=True) and len(set(lengths)) > 1
     fleet.queues[0].clear()
     groups = fleet.dispatch_groups(0, 5, "oracle_group")
-    difficulty = {
-        g.gid: sum(math.log(r.spec.decode_tokens) for r in g.requests) for g in groups
-    }
+    difficulty = {g.gid: sum(math.log(r.spec.decode_tokens) for r in g.requests) for g in groups}
     queued = [difficulty[r.group] for r in fleet.queues[0]]
     assert queued == sorted(queued, reverse=True) and len(set(queued)) == 5
 

@@ -225,6 +225,4 @@ class Fleet:
 
 def _mean_log_length(group: Group) -> float:
     """The group's mean log decode length: its prompt's difficulty as drawn."""
-    return sum(math.log(max(r.spec.decode_tokens, 1)) for r in group.requests) / len(
-        group.requests
-    )
+    return sum(math.log(max(r.spec.decode_tokens, 1)) for r in group.requests) / len(group.requests)
