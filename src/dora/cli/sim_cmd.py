@@ -41,6 +41,9 @@ def cli(
     plan_debounce: float = typer.Option(
         1.0, min=0.0, help="Plan this soon after an old-version engine runs dry (dora)."
     ),
+    max_seqs: int = typer.Option(
+        0, min=0, help="Sequences per engine (0: tuned to 85% of the KV over the mean context)."
+    ),
     start_order: str = typer.Option(
         "fifo",
         help="dora's queue order of admitted groups: fifo (the policy), or a yardstick that "
@@ -76,6 +79,7 @@ def cli(
             plan_tick_s=plan_tick,
             plan_debounce_s=plan_debounce,
             start_order=start_order,  # type: ignore[arg-type]
+            max_seqs=max_seqs or None,
             seed=seed,
         )
     except ValueError as exc:
