@@ -22,9 +22,10 @@ def _run(mode: str, **kw: object):
     return cfg, d, records
 
 
+@pytest.mark.parametrize("admission", ["slots", "kv"])
 @pytest.mark.parametrize("mode", MODES)
-def test_every_request_finishes_once_and_batches_are_whole(mode: str) -> None:
-    cfg, d, records = _run(mode)
+def test_every_request_finishes_once_and_batches_are_whole(mode: str, admission: str) -> None:
+    cfg, d, records = _run(mode, admission=admission)
     fleet = d.fleet
     assert len(records) == cfg.steps
     assert fleet.finished_count == len(fleet.done_ids) <= len(fleet.requests)
@@ -137,3 +138,20 @@ def test_an_oracle_start_order_runs_and_is_checked_at_load() -> None:
     assert a.to_dict() != b.to_dict()
     with pytest.raises(ValueError, match="start_order"):
         SimConfig(start_order="shortest")  # type: ignore[arg-type]
+
+
+def test_kv_admission_requeues_preempted_requests_for_any_engine() -> None:
+    """Under KV admission a preempted request goes back to its queue's front and may resume
+    on another engine; nothing is lost and the recompute is counted (a KV cache that fills
+    up: a small HBM)."""
+    small = DENSE_7B.with_overrides(hbm_bytes=(15.2e9 + 4e9 + 1.2e9) / 0.9)
+    _, d, records = _run("dora", admission="kv", cost=small, kv_max_seqs=64)
+    assert len(records) == SMALL.steps
+    reqs = list(d.fleet.requests.values())
+    assert sum(r.recomputed for r in reqs) > 0
+    assert any(len(set(r.engines)) > 1 and r.migrations == 0 for r in reqs)
+    assert d.fleet.max_seqs == 64 and not d.fleet._released
+    with pytest.raises(ValueError, match="admission"):
+        SimConfig(admission="greedy")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="kv_watermark"):
+        SimConfig(kv_watermark=0.0)

@@ -118,6 +118,25 @@ def test_kv_full_preempts_and_still_finishes_everything() -> None:
     assert core.kv_used() == 0
 
 
+def test_a_core_with_on_preempt_hands_a_preempted_request_back() -> None:
+    """Released, not queued locally: the engine keeps admitting, the request has lost its KV
+    (it re-prefills prompt + generated wherever it resumes) and the recompute is counted."""
+    small = DENSE_32B.with_overrides(hbm_bytes=70e9 / 0.9 + 4e9 / 0.9)  # ~19k KV tokens
+    released: list[SimRequest] = []
+    core = TimingCore(small, max_seqs=32, on_preempt=released.append)
+    core.version = 0
+    for r in _reqs([3000] * 12):
+        core.add(r)
+    finished = core.run_until_idle()
+    assert released and core.preemptions == len(released)
+    assert not (set(id(r) for r in released) & set(id(r) for r in finished))
+    assert len(finished) + len(released) == 12
+    for r in released:
+        assert r.generated > 0 and r.prefill == r.context and r.kv_held == 0
+        assert r.recomputed >= r.context
+    assert core.num_waiting == 0 and core.kv_used() == 0
+
+
 def test_multi_turn_waits_for_tools() -> None:
     spec = next(s for g in range(50) for s in AGENTIC.group(0, g, 1) if len(s.segments) >= 3)
     core = TimingCore(DENSE_7B)

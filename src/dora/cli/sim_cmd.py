@@ -44,6 +44,14 @@ def cli(
     max_seqs: int = typer.Option(
         0, min=0, help="Sequences per engine (0: tuned to 85% of the KV over the mean context)."
     ),
+    admission: str = typer.Option(
+        "slots",
+        help="Engine admission in every mode: slots (a cap tuned to the mean context; a "
+        "preempted request waits on its engine) or kv (admit below --kv-watermark of the KV "
+        "cache, up to --kv-max-seqs; a preempted request goes back to its queue).",
+    ),
+    kv_watermark: float = typer.Option(0.9, min=0.01, max=1.0, help="--admission kv."),
+    kv_max_seqs: int = typer.Option(100, min=1, help="--admission kv: slot cap."),
     start_order: str = typer.Option(
         "fifo",
         help="dora's queue order of admitted groups: fifo (the policy), or a yardstick that "
@@ -80,6 +88,9 @@ def cli(
             plan_debounce_s=plan_debounce,
             start_order=start_order,  # type: ignore[arg-type]
             max_seqs=max_seqs or None,
+            admission=admission,  # type: ignore[arg-type]
+            kv_watermark=kv_watermark,
+            kv_max_seqs=kv_max_seqs,
             seed=seed,
         )
     except ValueError as exc:

@@ -15,6 +15,13 @@ orders are yardsticks of critical-path scheduling, not policies: they read the l
 workload drew (longest request first; or groups by their mean log-length, the most a
 per-prompt length history could know)."""
 
+Admission = Literal["slots", "kv"]
+ADMISSIONS: tuple[Admission, ...] = ("slots", "kv")
+"""How an engine admits requests, in every mode alike. ``slots``: at most ``max_seqs``
+(tuned to 85% of the KV over the mean context), a preempted request waits on its engine.
+``kv``: while the KV cache is below ``kv_watermark``, up to ``kv_max_seqs``, and a preempted
+request goes back to the front of its queue, so any engine with room resumes it."""
+
 Mode = Literal["sync", "one_step_off", "partial", "partial_sync", "dora", "dora_noreuse"]
 MODES: tuple[Mode, ...] = (
     "sync",
@@ -72,6 +79,9 @@ class SimConfig:
     migration_bw: float | None = None  # bytes/s; None: the cost model's
     migrate_urgent: bool = True  # plan may consolidate urgent requests (with K=1 all are)
     start_order: StartOrder = "fifo"  # dora mode only; see START_ORDERS
+    admission: Admission = "slots"  # every mode; see ADMISSIONS
+    kv_watermark: float = 0.9  # admission="kv": admit while KV use is below this fraction
+    kv_max_seqs: int = 100  # admission="kv": the slot cap (max_seqs overrides it)
 
     def __post_init__(self) -> None:
         if self.engines < 1:
@@ -88,6 +98,12 @@ class SimConfig:
             raise ValueError(
                 f"start_order: unknown {self.start_order!r}; known: {list(START_ORDERS)}"
             )
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission: unknown {self.admission!r}; known: {list(ADMISSIONS)}")
+        if not 0.0 < self.kv_watermark <= 1.0:
+            raise ValueError(f"kv_watermark must be in (0, 1], got {self.kv_watermark}")
+        if self.kv_max_seqs < 1:
+            raise ValueError(f"kv_max_seqs must be >= 1, got {self.kv_max_seqs}")
         if self.plan_tick_s <= 0:
             raise ValueError(f"plan_tick_s must be > 0, got {self.plan_tick_s}")
 

@@ -88,11 +88,20 @@ class Fleet:
         # a tuned max_num_seqs: 85% of the KV capacity over the mean decode context (a sweep
         # on dense-32b/dapo-16k: 0.85 maximizes sync and partial; 1.0 thrashes on preemption)
         tuned = max(1, min(cfg.cost.max_num_seqs, int(0.85 * cap / self.stats.mean_context)))
-        self.max_seqs = cfg.max_seqs or tuned
+        kv = cfg.admission == "kv"
+        self.max_seqs = cfg.max_seqs or (cfg.kv_max_seqs if kv else tuned)
         self.cores = [
-            TimingCore(cfg.cost, i, self.max_seqs, strict_versions=self.strict_versions)
+            TimingCore(
+                cfg.cost,
+                i,
+                self.max_seqs,
+                admit_fraction=cfg.kv_watermark if kv else 0.98,
+                strict_versions=self.strict_versions,
+                on_preempt=self._preempted if kv else None,
+            )
             for i in range(cfg.engines)
         ]
+        self._released: list[SimRequest] = []
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
         self._epoch = [0] * cfg.engines
@@ -112,7 +121,10 @@ class Fleet:
         """Tag a new group with ``version`` and queue its samples (on ``queue``, default the
         version's own queue)."""
         group = self._new_group(version)
-        self.queues[version if queue is None else queue].extend(group.requests)
+        key = version if queue is None else queue
+        for req in group.requests:
+            req.queue = key
+        self.queues[key].extend(group.requests)
         return group
 
     def dispatch_groups(self, version: int, n: int, order: StartOrder = "fifo") -> list[Group]:
@@ -140,6 +152,24 @@ class Fleet:
         group = Group(gid, version, reqs, self.now)
         self.groups.append(group)
         return group
+
+    def _preempted(self, req: SimRequest) -> None:
+        """A core released a preempted request (inside its time step): requeue it at once."""
+        if not self._released:
+            self.at(self.now, self._requeue_released)
+        self._released.append(req)
+
+    def _requeue_released(self) -> None:
+        """Released requests go to the front of their queue, for any engine with room."""
+        keys = []
+        while self._released:
+            req = self._released.pop()
+            key = req.version if req.queue < 0 else req.queue
+            self.queues[key].appendleft(req)
+            if key not in keys:
+                keys.append(key)
+        for key in keys:
+            self.feed(key)
 
     def fill(self, e: int, queue: int | None = None) -> None:
         """Let engine ``e`` pull from its queue while it has room (engine must be current)."""

@@ -47,6 +47,11 @@ def table(cfg: SimConfig, results: list[SimResult]) -> Table:
             f"dora sim: {cfg.cost.name} on H200, workload {cfg.workload.name}, "
             f"B={cfg.batch_groups}x{cfg.group_size}, K={cfg.staleness}, seed {cfg.seed}"
             + ("" if cfg.start_order == "fifo" else f", dora start order {cfg.start_order}")
+            + (
+                ""
+                if cfg.admission == "slots"
+                else f", KV admission below {cfg.kv_watermark:.0%} of the cache"
+            )
         )
     )
     for col in (
@@ -104,6 +109,8 @@ def save_json(path: Path, cfg: SimConfig, results: list[SimResult], wall_s: floa
             "plan_tick_s": cfg.plan_tick_s,
             "plan_debounce_s": cfg.plan_debounce_s,
             "start_order": cfg.start_order,
+            "admission": cfg.admission,
+            "kv_watermark": cfg.kv_watermark if cfg.admission == "kv" else None,
             "max_seqs": results[0].max_seqs if results else None,
         },
         "paper": PAPER,

@@ -8,7 +8,9 @@ the cost model: the core jumps there in O(log n) instead of stepping every token
 
 Scheduling mirrors vLLM's: waiting requests are admitted by priority while there is room
 (``max_seqs`` and KV tokens), admission costs a prefill, and when the KV cache is full the
-youngest running request is preempted (recompute: it re-prefills when readmitted).
+youngest running request is preempted (recompute: it re-prefills when readmitted). A core
+given ``on_preempt`` hands a preempted request back instead of queueing it locally (a
+generator that releases it to its version's queue, so any engine with room resumes it).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dora.engines.sim.cost import CostModel
@@ -37,6 +40,7 @@ class SimRequest:
     spec: RequestSpec
     priority: int = 0
     dispatched_at: float = 0.0
+    queue: int = -1  # the fleet queue it was dispatched on (-1: its version's)
     seg: int = 0  # current segment (turn)
     seg_done: int = 0  # decoded tokens of the current segment
     generated: int = 0  # decoded tokens of finished segments + seg_done
@@ -82,6 +86,7 @@ class TimingCore:
         max_seqs: int | None = None,
         admit_fraction: float = 0.98,
         strict_versions: bool = True,
+        on_preempt: Callable[[SimRequest], None] | None = None,
     ) -> None:
         if admit_fraction <= 0 or admit_fraction > 1:
             raise ValueError(f"admit_fraction must be in (0, 1], got {admit_fraction}")
@@ -94,6 +99,7 @@ class TimingCore:
         self.admit_cap = int(self.capacity * admit_fraction)
         self._a, self._b, self._c = cost.a, cost.b, cost.c
         self.strict_versions = strict_versions  # False: partial rollout mixes versions
+        self.on_preempt = on_preempt
         self.version: int | None = None
         self._blocked = False  # after a preemption, admit nothing until something leaves
         self.clock = 0.0
@@ -506,5 +512,8 @@ class TimingCore:
         req = self.remove(rid, keep_kv=False)
         req.recomputed += req.context
         self.preemptions += 1
+        if self.on_preempt is not None:
+            self.on_preempt(req)
+            return
         self._blocked = True
         self._push_waiting(req, front=True)
