@@ -327,6 +327,11 @@ class RunningRequest(Model):
     parked: bool = Field(
         default=False, description="A multi-turn episode waiting for its environment."
     )
+    preempted: bool = Field(
+        default=False,
+        description="Waiting on its engine after a KV-full preemption: it holds no KV, and "
+        "wherever it resumes it recomputes its context.",
+    )
 
 
 EngineState = Literal["idle", "loading", "serving", "draining", "stopped"]

@@ -397,3 +397,34 @@ def test_rebalance_respects_cooldown_and_the_newest_last_puller() -> None:
     assert set(moved) <= {"n99"}
     pulls_v3 = [e for e in engines if e.assigned_version == 3 and e.engine_id not in moved]
     assert pulls_v3
+
+
+def test_relief_moves_preempted_requests_to_an_engine_of_their_version_with_room() -> None:
+    """A request preempted on a full engine holds no KV; it moves, tokens only, to the
+    same-version engine with the most KV room, oldest first; never to another version, a
+    full engine, or an engine of another kind."""
+    stuck = tuple(req(f"p{i}", 1, 500, 0, preempted=True, dispatched_at=float(i)) for i in range(3))
+    full = eng("a", 1, (req("r", 1, 900, 900), *stuck), used=990)
+    roomy = eng("b", 1, (req("s", 1, 10, 10),), used=100)
+    roomier = eng("c", 1, (req("t", 1, 10, 10),), max_running=3)  # two open slots
+    newer = eng("d", 2, (), used=0)
+    other_kind = eng("e", 1, (), used=0, kind="vllm")
+    actions = plan(cluster(full, roomy, roomier, newer, other_kind, newest=2, step=2))
+    moves = [a for a in actions if isinstance(a, MigrateRequests) and a.reason == "relieve"]
+    moved = {rid: m.target for m in moves for rid in m.request_ids}
+    assert moved == {"p0": "c", "p1": "c", "p2": "b"}, moves
+    assert all(m.source == "a" and m.version == 1 and m.kv_blocks == 0 for m in moves)
+    off = OrchestratorConfig(relieve_preempted=False)
+    assert not [
+        a
+        for a in plan(cluster(full, roomy, roomier, newer, newest=2, step=2), off)
+        if isinstance(a, MigrateRequests) and a.reason == "relieve"
+    ]
+
+
+def test_a_preempted_request_is_reported_by_the_engine_and_reaches_the_view() -> None:
+    running = events.RunningRequest(
+        request_id="r", version=0, generated=40, max_tokens=64, kv_blocks=0, preempted=True
+    )
+    status = events.EngineStatus(engine_id="e", version=0, requests=(running,))
+    assert EngineView.from_status(status).requests[0].preempted

@@ -140,18 +140,31 @@ def test_an_oracle_start_order_runs_and_is_checked_at_load() -> None:
         SimConfig(start_order="shortest")  # type: ignore[arg-type]
 
 
-def test_kv_admission_requeues_preempted_requests_for_any_engine() -> None:
-    """Under KV admission a preempted request goes back to its queue's front and may resume
-    on another engine; nothing is lost and the recompute is counted (a KV cache that fills
-    up: a small HBM)."""
+def test_kv_admission_hands_preempted_requests_to_engines_with_room() -> None:
+    """Under KV admission a preempted request does not wait behind its engine's full cache:
+    the baselines' generators requeue it (any engine with room resumes it), dora's planner
+    moves it as tokens only (``plan``'s relief). Nothing is lost; the recompute is counted
+    once (a KV cache that fills up: a small HBM)."""
     small = DENSE_7B.with_overrides(hbm_bytes=(15.2e9 + 4e9 + 1.2e9) / 0.9)
-    _, d, records = _run("dora", admission="kv", cost=small, kv_max_seqs=64)
-    assert len(records) == SMALL.steps
+    _, d, records = _run("sync", admission="kv", cost=small, kv_max_seqs=64)
+    assert len(records) == SMALL.steps and not d.fleet._released
     reqs = list(d.fleet.requests.values())
-    assert sum(r.recomputed for r in reqs) > 0
-    assert any(len(set(r.engines)) > 1 and r.migrations == 0 for r in reqs)
-    assert d.fleet.max_seqs == 64 and not d.fleet._released
+    assert any(len(set(r.engines)) > 1 and r.recomputed and not r.migrations for r in reqs)
+    _, d, records = _run("dora", admission="kv", cost=small, kv_max_seqs=64)
+    assert len(records) == SMALL.steps and d.fleet.max_seqs == 64
+    reqs = list(d.fleet.requests.values())
+    relieved = [r for r in reqs if r.migrations and r.recomputed and not r.migrated_bytes]
+    assert relieved and all(len(set(r.engines)) > 1 for r in relieved)
+    assert sum(r.reprefilled for r in relieved) == 0
     with pytest.raises(ValueError, match="admission"):
         SimConfig(admission="greedy")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="kv_watermark"):
         SimConfig(kv_watermark=0.0)
+
+
+def test_without_relief_a_preempted_request_waits_on_its_engine() -> None:
+    small = DENSE_7B.with_overrides(hbm_bytes=(15.2e9 + 4e9 + 1.2e9) / 0.9)
+    _, d, _ = _run("dora", admission="kv", cost=small, kv_max_seqs=64, relieve_preempted=False)
+    reqs = list(d.fleet.requests.values())
+    assert sum(r.recomputed for r in reqs) > 0
+    assert not [r for r in reqs if r.migrations and not r.migrated_bytes]

@@ -52,6 +52,12 @@ def cli(
     ),
     kv_watermark: float = typer.Option(0.9, min=0.01, max=1.0, help="--admission kv."),
     kv_max_seqs: int = typer.Option(100, min=1, help="--admission kv: slot cap."),
+    relief: bool = typer.Option(
+        True,
+        "--relief/--no-relief",
+        help="dora: the planner moves requests an engine preempted (no KV left) to engines "
+        "of their version with room (--no-relief: they wait on their engine).",
+    ),
     start_order: str = typer.Option(
         "fifo",
         help="dora's queue order of admitted groups: fifo (the policy), or a yardstick that "
@@ -89,6 +95,7 @@ def cli(
             start_order=start_order,  # type: ignore[arg-type]
             max_seqs=max_seqs or None,
             admission=admission,  # type: ignore[arg-type]
+            relieve_preempted=relief,
             kv_watermark=kv_watermark,
             kv_max_seqs=kv_max_seqs,
             seed=seed,

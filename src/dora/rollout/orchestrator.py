@@ -23,7 +23,11 @@ The live service, the simulator and the tests call the same function. It decides
    queue's last puller nor the newest's), when its queue outlasts a weight load. With several
    versions queued (K >= 2) a version otherwise got one engine from rule 1 and starved until
    engines ran dry (measured in ``dora sim`` at K = 3: 0.42 engine utilization without it).
-6. **Consolidation.** For an old version whose queue is empty, engines with low occupancy are
+6. **Relief.** A request an engine preempted when its KV filled holds no KV and waits
+   behind the full cache; it moves (tokens only) to an engine serving its version with an
+   open slot and KV headroom, where it resumes at once. Engines can then admit by KV
+   headroom with a high slot cap: a preemption costs a recompute, not a stall.
+7. **Consolidation.** For an old version whose queue is empty, engines with low occupancy are
    evacuated by migrating their requests (with KV) onto the fullest same-version engines that
    have room for the blocks plus their expected growth (first-fit decreasing), when the freed
    engine-time pays for the migration and some queue needs the freed engine; the evacuated
@@ -44,6 +48,7 @@ import heapq
 import math
 from collections import defaultdict
 from dataclasses import dataclass, fields
+from typing import Any
 
 from dora.rollout.actions import (
     Action,
@@ -105,6 +110,8 @@ class OrchestratorConfig:
     """Consolidate even when no queue needs the freed engines (default: do not)."""
     migrate: bool = True
     """Consolidate by KV migration (False: the no-migration ablation)."""
+    relieve_preempted: bool = True
+    """Rule 6: move preempted requests (no KV held) to same-version engines with room."""
     rebalance: bool = True
     """Rule 5 (proportional share); False restores first-come placement only."""
     reassign_busy_to_newest: bool = False
@@ -266,6 +273,8 @@ class _Planner:
         if self.config.rebalance:
             self.rebalance()
         self.prioritize_urgent()
+        if self.config.relieve_preempted:
+            self.relieve()
         if self.config.reassign_busy_to_newest:
             self.all_to_newest()
         elif self.config.migrate:
@@ -431,6 +440,57 @@ class _Planner:
         rate = sum(slots(e, self.config) for e in pullers.values()) * per_req
         tokens = self.queues.get(version, 0) * max(mean_length, 1.0)
         return tokens / rate > self.config.weight_load_s
+
+    # ------------------------------------------------------------------ relief
+
+    def relieve(self) -> None:
+        """Rule 6: preempted requests to same-version engines with open slots and KV room,
+        most room first; oldest dispatched first (they are nearest their deadline)."""
+        cfg = self.config
+        stuck = [e for e in self.usable if any(r.preempted for r in e.requests)]
+        if not stuck:
+            return
+        room: dict[tuple[int, str], list[list[Any]]] = defaultdict(list)  # [blocks, slots, e]
+        for e in self.usable:
+            if e.state != "serving" or e.version is None or e.pulls != e.version:
+                continue
+            if e.engine_id in self.taken or any(r.preempted for r in e.requests):
+                continue
+            open_slots = self.open_slots(e)
+            blocks = math.floor(cfg.target_fill * e.kv_blocks_total) - e.kv_blocks_used
+            if open_slots > 0 and blocks > 0:
+                room[(e.version, e.kind)].append([blocks, open_slots, e])
+        for src in stuck:
+            targets = room.get((src.version, src.kind)) if src.version is not None else None
+            if not targets:
+                continue
+            moves: dict[str, list[str]] = defaultdict(list)
+            for r in sorted(
+                (r for r in src.requests if r.preempted),
+                key=lambda r: (r.dispatched_at, r.request_id),
+            ):
+                if self.migrated >= cfg.max_migrated_requests:
+                    break
+                need = r.kv_blocks or math.ceil((r.generated + 1) / src.block_size)
+                best = max(
+                    (t for t in targets if t[1] > 0 and t[0] >= need),
+                    key=lambda t: (t[0], t[2].engine_id),
+                    default=None,
+                )
+                if best is None:
+                    break
+                best[0] -= need
+                best[1] -= 1
+                moves[best[2].engine_id].append(r.request_id)
+                self.migrated += 1
+            for target in sorted(moves):
+                if not self.room():
+                    return
+                self.actions.append(
+                    MigrateRequests(
+                        src.engine_id, target, src.version, tuple(moves[target]), 0, "relieve"
+                    )
+                )
 
     # ------------------------------------------------------------------ consolidation
 

@@ -42,6 +42,9 @@ class RequestView:
     dispatched_at: float = 0.0
     last_migrated_at: float | None = None
     """When it was last migrated (service memory, from MigrationRecord); None if never."""
+    preempted: bool = False
+    """Waiting on its engine after a KV-full preemption, holding no KV: moving it costs only
+    its tokens, and any engine of its version with room can resume it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +117,7 @@ class EngineView:
                     prio.get(r.request_id, 0),
                     r.dispatched_at,
                     moved.get(r.request_id),
+                    r.preempted,
                 )
                 for r in status.requests
             ),

@@ -80,6 +80,7 @@ class SimConfig:
     migrate_urgent: bool = True  # plan may consolidate urgent requests (with K=1 all are)
     start_order: StartOrder = "fifo"  # dora mode only; see START_ORDERS
     admission: Admission = "slots"  # every mode; see ADMISSIONS
+    relieve_preempted: bool = True  # dora: plan moves preempted requests to engines with room
     kv_watermark: float = 0.9  # admission="kv": admit while KV use is below this fraction
     kv_max_seqs: int = 100  # admission="kv": the slot cap (max_seqs overrides it)
 

@@ -56,6 +56,7 @@ class DoraDriver(StreamingDriver):
             max_actions=max(64, cfg.engines // 2),
             max_migrated_requests=max(256, 2 * cfg.engines),
             migrate_urgent=cfg.migrate_urgent,
+            relieve_preempted=cfg.relieve_preempted,
             weight_load_s=cfg.cost.weight_load_time,
             migration_s_per_block=cfg.cost.kv_bytes(BLOCK) / self.migration_bw,
             migration_s_per_request=cfg.cost.migration_fixed_s,
@@ -65,6 +66,7 @@ class DoraDriver(StreamingDriver):
         self.draining = [False] * n
         self.loading_until = [0.0] * n
         self.assigned_at: list[float | None] = [None] * n
+        self.preemptions_seen = [0] * n
         self.last_migrated: dict[int, float] = {}
         self.lengths = LengthRecorder()
         self.migration_fallbacks = 0
@@ -114,6 +116,9 @@ class DoraDriver(StreamingDriver):
 
     def on_engine_event(self, e: int) -> None:
         core = self.fleet.cores[e]
+        if core.preemptions > self.preemptions_seen[e]:
+            self.preemptions_seen[e] = core.preemptions
+            self.request_plan()  # a preempted request waits: relief may move it
         if self.pulls(e):
             self.fleet.fill(e)
             if not core.has_work() and core.version != self.window.dispatcher.newest_version:
@@ -183,6 +188,7 @@ class DoraDriver(StreamingDriver):
             if busy:
                 fleet.touch(e)
             key = (core.version, assigned[e], draining[e], assigned_at[e], core.changes, loading)
+            preempted = core.preempted_ids() if core.num_waiting else ()
             reqs = tuple(
                 RequestView(
                     str(r.rid),
@@ -193,6 +199,7 @@ class DoraDriver(StreamingDriver):
                     r.priority,
                     r.dispatched_at,
                     migrated.get(r.rid),
+                    r.rid in preempted,
                 )
                 for r in core.requests()
             )
@@ -284,6 +291,7 @@ class DoraDriver(StreamingDriver):
         source = fleet.cores[src]
         fleet.touch(src)
         delay = 0.0
+        preempted = source.preempted_ids() if source.num_waiting else set()
         for rid in rids:
             try:
                 req = source.remove(int(rid), keep_kv=self.reuse_kv)
@@ -291,22 +299,27 @@ class DoraDriver(StreamingDriver):
                 continue
             req.migrations += 1
             self.last_migrated[req.rid] = fleet.now
+            had_kv = req.rid not in preempted  # a preempted request moves as tokens only
             if self.reuse_kv:
-                delay += source.cost.migration_time(req.context, self.migration_bw)
-                req.migrated_bytes += source.cost.kv_bytes(req.context)
-            fleet.at(fleet.now + delay, lambda req=req: self.arrive(dst, req))
+                resident = req.context - req.prefill if had_kv else 0
+                delay += source.cost.migration_time(resident, self.migration_bw)
+                req.migrated_bytes += source.cost.kv_bytes(resident)
+            fleet.at(fleet.now + delay, lambda req=req, kv=had_kv: self.arrive(dst, req, kv))
         fleet.schedule(src)
         if not source.has_work():
             self.maybe_load(src)
 
-    def arrive(self, dst: int, req: SimRequest) -> None:
+    def arrive(self, dst: int, req: SimRequest, had_kv: bool = True) -> None:
+        """A moved request reaches its target; ``had_kv``: it held KV when it left (a
+        preempted one did not, and its recompute was counted at the preemption)."""
         fleet = self.fleet
         target = fleet.cores[dst]
         fleet.touch(dst)
+        lost = req.context if had_kv else 0
         if target.version != req.version:
             # the target changed version while the KV was in flight: re-prefill elsewhere
             self.migration_fallbacks += 1
-            req.reprefilled += req.context
+            req.reprefilled += lost
             req.prefill = req.context
             fleet.queues[req.version].appendleft(req)
             fleet.feed(req.version)
@@ -314,6 +327,6 @@ class DoraDriver(StreamingDriver):
         if self.reuse_kv:
             target.import_request(req, fleet.now)
         else:
-            req.reprefilled += req.context
+            req.reprefilled += lost
             target.add(req)
         fleet.schedule(dst)

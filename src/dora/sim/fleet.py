@@ -97,7 +97,8 @@ class Fleet:
                 self.max_seqs,
                 admit_fraction=cfg.kv_watermark if kv else 0.98,
                 strict_versions=self.strict_versions,
-                on_preempt=self._preempted if kv else None,
+                # dora's orchestrator moves preempted requests itself (``plan``'s relief)
+                on_preempt=self._preempted if kv and not cfg.mode.startswith("dora") else None,
             )
             for i in range(cfg.engines)
         ]

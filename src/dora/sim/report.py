@@ -110,6 +110,7 @@ def save_json(path: Path, cfg: SimConfig, results: list[SimResult], wall_s: floa
             "plan_debounce_s": cfg.plan_debounce_s,
             "start_order": cfg.start_order,
             "admission": cfg.admission,
+            "relieve_preempted": cfg.relieve_preempted,
             "kv_watermark": cfg.kv_watermark if cfg.admission == "kv" else None,
             "max_seqs": results[0].max_seqs if results else None,
         },

@@ -157,6 +157,11 @@ class TimingCore:
             + [r for _, _, r in self._tools]
         )
 
+    def preempted_ids(self) -> set[int]:
+        """Queued requests that have generated tokens but hold no KV here (preempted, or
+        woken from a tool wait whose KV was dropped): they recompute wherever they resume."""
+        return {rid for rid, r in self._waiting_ids.items() if r.generated and not r.kv_held}
+
     def kv_holders(self) -> set[int]:
         """Requests whose KV is resident now: running, queued with resident KV, tool waiters
         not evicted (what a partial-rollout interrupt makes re-prefill)."""

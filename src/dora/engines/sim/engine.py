@@ -299,6 +299,7 @@ class SimEngine:
     def status(self) -> EngineStatus:
         core = self.core
         reqs = core.requests()
+        preempted = core.preempted_ids() if core.num_waiting else set()
         n = core.num_running
         return EngineStatus(
             engine_id=self.engine_id,
@@ -322,6 +323,7 @@ class SimEngine:
                     kv_blocks=-(-(r.context - r.prefill) // BLOCK),
                     dispatched_at=r.dispatched_at,
                     parked=r.tool_ready_at >= 0,
+                    preempted=r.rid in preempted,
                 )
                 for r in reqs
             ),

@@ -439,6 +439,7 @@ class TorchEngine:
                     kv_blocks=len(s.block_table),
                     dispatched_at=s.request.dispatched_at,
                     parked=s.status is SeqStatus.PARKED,
+                    preempted=s.status is SeqStatus.WAITING and s.recompute_hw > 0,
                 )
                 for s in held
             ),
