@@ -116,7 +116,7 @@ class DoraDriver(StreamingDriver):
 
     def on_engine_event(self, e: int) -> None:
         core = self.fleet.cores[e]
-        if core.preemptions > self.preemptions_seen[e]:
+        if self.plan_config.relieve_preempted and core.preemptions > self.preemptions_seen[e]:
             self.preemptions_seen[e] = core.preemptions
             self.request_plan()  # a preempted request waits: relief may move it
         if self.pulls(e):
