@@ -404,7 +404,7 @@ def test_relief_moves_preempted_requests_to_an_engine_of_their_version_with_room
     same-version engine with the most KV room, oldest first; never to another version, a
     full engine, or an engine of another kind."""
     stuck = tuple(req(f"p{i}", 1, 500, 0, preempted=True, dispatched_at=float(i)) for i in range(3))
-    full = eng("a", 1, (req("r", 1, 900, 900), *stuck), used=990)
+    full = eng("a", 1, (req("r", 1, 900, 900), *stuck), used=990, waiting=3)
     roomy = eng("b", 1, (req("s", 1, 10, 10),), used=100)
     roomier = eng("c", 1, (req("t", 1, 10, 10),), max_running=3)  # two open slots
     newer = eng("d", 2, (), used=0)

@@ -447,14 +447,16 @@ class _Planner:
         """Rule 6: preempted requests to same-version engines with open slots and KV room,
         most room first; oldest dispatched first (they are nearest their deadline)."""
         cfg = self.config
-        stuck = [e for e in self.usable if any(r.preempted for r in e.requests)]
+        # a preempted request is a waiting one: only engines with a queue can hold one
+        stuck = [e for e in self.usable if e.waiting and any(r.preempted for r in e.requests)]
         if not stuck:
             return
+        held = {e.engine_id for e in stuck}
         room: dict[tuple[int, str], list[list[Any]]] = defaultdict(list)  # [blocks, slots, e]
         for e in self.usable:
             if e.state != "serving" or e.version is None or e.pulls != e.version:
                 continue
-            if e.engine_id in self.taken or any(r.preempted for r in e.requests):
+            if e.engine_id in self.taken or e.engine_id in held:
                 continue
             open_slots = self.open_slots(e)
             blocks = math.floor(cfg.target_fill * e.kv_blocks_total) - e.kv_blocks_used
