@@ -61,3 +61,14 @@ def test_config_errors_name_the_field() -> None:
         EmulatedConfig(time_scale=0)
     with pytest.raises(ValueError, match="preset"):
         EmulatedConfig(preset="dense-9000b")
+
+
+def test_admission_and_relief_reach_the_simulator_settings() -> None:
+    from dora.testing.emulated_fleet import simulator_settings
+
+    cfg = EmulatedConfig(admission="kv", relieve_preempted=False)
+    max_seqs, policy = simulator_settings(cfg)
+    assert max_seqs == cfg.sim_config().kv_max_seqs and not policy.relieve_preempted
+    assert cfg.sim_config().admission == "kv"
+    with pytest.raises(ValueError, match="admission"):
+        EmulatedConfig(admission="greedy")

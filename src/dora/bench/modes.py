@@ -35,6 +35,15 @@ def cli(
         None, "--staleness", min=0, help="K for --task runs (default: the quickstart's)."
     ),
     out: Path | None = typer.Option(None, "--out", help="Directory for JSON + PNG."),
+    groups_per_engine: int = typer.Option(
+        2, "--groups-per-engine", min=1, help="Emulated: B = this x engines (G = 8)."
+    ),
+    admission: str = typer.Option(
+        "slots", "--admission", help="Emulated engines: slots | kv (as `dora sim --admission`)."
+    ),
+    relief: bool = typer.Option(
+        True, "--relief/--no-relief", help="Emulated dora: relieve preempted requests."
+    ),
 ) -> None:
     """Compare rollout modes on the same workload and seed (table + JSON + PNG)."""
     chosen = [m.strip() for m in modes.split(",") if m.strip()]
@@ -50,4 +59,19 @@ def cli(
         raise typer.BadParameter("without --task only --fleet emulated is available")
     from dora.bench.modes_emulated import run_emulated_comparison
 
-    run_emulated_comparison(chosen, engines, steps, seed_list, preset, workload, time_scale, out)
+    try:
+        run_emulated_comparison(
+            chosen,
+            engines,
+            steps,
+            seed_list,
+            preset,
+            workload,
+            time_scale,
+            out,
+            groups_per_engine=groups_per_engine,
+            admission=admission,
+            relieve_preempted=relief,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc

@@ -62,13 +62,23 @@ STALENESS = 1
 
 
 def default_config(
-    engines: int, steps: int, seed: int, preset: str, workload: str, time_scale: float
+    engines: int,
+    steps: int,
+    seed: int,
+    preset: str,
+    workload: str,
+    time_scale: float,
+    groups_per_engine: int = GROUPS_PER_ENGINE,
+    admission: str = "slots",
+    relieve_preempted: bool = True,
 ) -> EmulatedConfig:
     """The documented defaults (see the module docstring)."""
     return EmulatedConfig(
         engines=engines,
         steps=steps,
-        batch_groups=GROUPS_PER_ENGINE * engines,
+        admission=admission,
+        relieve_preempted=relieve_preempted,
+        batch_groups=groups_per_engine * engines,
         group_size=GROUP_SIZE,
         staleness=STALENESS,
         seed=seed,
@@ -283,6 +293,9 @@ def run_emulated_comparison(
     time_scale: float,
     out: Path | None,
     console: Console | None = None,
+    groups_per_engine: int = GROUPS_PER_ENGINE,
+    admission: str = "slots",
+    relieve_preempted: bool = True,
 ) -> dict[str, Any]:
     """Run every mode and seed emulated and simulated; print, save JSON + PNG, return both."""
     import logging
@@ -296,7 +309,17 @@ def run_emulated_comparison(
             raise ValueError(f"modes: unknown mode {m!r}; known: {list(EMULATED_MODES)}")
     if not seeds:
         raise ValueError("seeds: at least one seed is needed")
-    base = default_config(engines, steps, seeds[0], preset, workload, time_scale)
+    base = default_config(
+        engines,
+        steps,
+        seeds[0],
+        preset,
+        workload,
+        time_scale,
+        groups_per_engine,
+        admission,
+        relieve_preempted,
+    )
     configs = [replace(base, mode=m, seed=s) for s in seeds for m in modes]  # type: ignore[arg-type]
     t0 = time.perf_counter()
     rows = asyncio.run(_run_all(configs, console))

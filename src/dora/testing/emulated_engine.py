@@ -78,8 +78,11 @@ class PacedSimEngine(SimEngine):
         max_seqs: int,
         spec_of: GroupSpecs,
         max_sleep_s: float = 0.02,
+        admit_fraction: float = 0.98,
     ) -> None:
-        super().__init__(engine_id, cost, workload, seed, time_scale, max_seqs, max_sleep_s)
+        super().__init__(
+            engine_id, cost, workload, seed, time_scale, max_seqs, max_sleep_s, admit_fraction
+        )
         self.spec_of = spec_of
         self.scale = time_scale
         self.trace: list[TraceEvent] = []

@@ -112,6 +112,10 @@ class EmulatedConfig:
     pull_batch: int | None = 1
     """Most requests a generator takes per pull (None: as many as it has room for; see
     ``emulated_workers.PullCapBus``)."""
+    admission: str = "slots"
+    """Engine admission, as ``SimConfig.admission`` (the slot cap and KV watermark follow)."""
+    relieve_preempted: bool = True
+    """dora: the orchestrator relieves preempted requests (``plan``'s rule 6)."""
 
     def __post_init__(self) -> None:
         if self.mode not in EMULATED_MODES:
@@ -128,6 +132,7 @@ class EmulatedConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         cost_preset(self.preset)  # clear errors naming the field
         workload_preset(self.workload)
+        self.sim_config()  # admission and the rest, checked as the simulator checks them
 
     @property
     def prompt_count(self) -> int:
@@ -149,6 +154,8 @@ class EmulatedConfig:
             seed=self.seed,
             cost=cost_preset(self.preset),
             workload=workload_preset(self.workload),
+            admission=self.admission,  # type: ignore[arg-type]
+            relieve_preempted=self.relieve_preempted,
         )
 
 

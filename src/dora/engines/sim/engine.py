@@ -66,6 +66,7 @@ class SimEngine:
         time_scale: float | None = None,
         max_seqs: int | None = None,
         max_sleep_s: float = 0.05,
+        admit_fraction: float = 0.98,
     ) -> None:
         if time_scale is not None and time_scale <= 0:
             raise ValueError(f"time_scale must be > 0 or None, got {time_scale}")
@@ -75,7 +76,7 @@ class SimEngine:
         self.seed = seed
         self.time_scale = time_scale
         self.max_sleep_s = max_sleep_s
-        self.core = TimingCore(self.cost, max_seqs=max_seqs)
+        self.core = TimingCore(self.cost, max_seqs=max_seqs, admit_fraction=admit_fraction)
         self.fingerprint = f"sim:{self.cost.name}"
         self._t0 = time.monotonic()
         self._epoch = time.time()
