@@ -109,6 +109,12 @@ class SimConfig:
             raise ValueError(f"plan_tick_s must be > 0, got {self.plan_tick_s}")
 
     @property
+    def admit_fraction(self) -> float:
+        """The KV fraction below which an engine admits (the slot cap binds first under
+        ``slots``): one rule for the simulator's cores and the emulated engines."""
+        return self.kv_watermark if self.admission == "kv" else 0.98
+
+    @property
     def learner(self) -> TrainerCost:
         if self.trainer is not None:
             return self.trainer

@@ -95,7 +95,7 @@ class Fleet:
                 cfg.cost,
                 i,
                 self.max_seqs,
-                admit_fraction=cfg.kv_watermark if kv else 0.98,
+                admit_fraction=cfg.admit_fraction,
                 strict_versions=self.strict_versions,
                 # dora's orchestrator moves preempted requests itself (``plan``'s relief)
                 on_preempt=self._preempted if kv and not cfg.mode.startswith("dora") else None,

@@ -154,8 +154,7 @@ async def serve_engines(
     """Run generators for ``engine_ids`` (``cfg``: an ``EmulatedConfig``) until ``stop()``."""
     workload = workload_preset(cfg.workload)
     specs = GroupSpecs(workload, cfg.seed, cfg.group_size)
-    sim = cfg.sim_config()
-    admit = sim.kv_watermark if sim.admission == "kv" else 0.98  # as the simulator's cores
+    admit = cfg.sim_config().admit_fraction  # as the simulator's cores
     engines = [
         PacedSimEngine(
             e, cfg.preset, workload, cfg.seed, cfg.time_scale, max_seqs, specs, admit_fraction=admit
