@@ -25,8 +25,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/dora run pipelines/quickstart.yaml
 
+# Two workers, a file at a time (a file's module fixtures stay in one process): most tests
+# wait on real processes and servers, so two cores run the suite in about half the time.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 # The vllm extra in a venv of its own: vLLM brings newer numpy and transformers than the
 # main venv's, and its wheel pulls torchvision/torchaudio/torchcodec, which dora does not use.
