@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dora.engines.sim.core import SLOT_ADMIT_FRACTION
 from dora.engines.sim.cost import DENSE_32B, CostModel
 from dora.engines.sim.workload import DAPO_16K, Workload
 
@@ -112,7 +113,7 @@ class SimConfig:
     def admit_fraction(self) -> float:
         """The KV fraction below which an engine admits (the slot cap binds first under
         ``slots``): one rule for the simulator's cores and the emulated engines."""
-        return self.kv_watermark if self.admission == "kv" else 0.98
+        return self.kv_watermark if self.admission == "kv" else SLOT_ADMIT_FRACTION
 
     @property
     def learner(self) -> TrainerCost:

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 from dora.engines.base import PartialOutput
 from dora.engines.sim import RequestSpec, SimEngine, Workload
+from dora.engines.sim.core import SLOT_ADMIT_FRACTION
 from dora.events import EngineStatus, RolloutRequest, Trajectory
 
 
@@ -78,7 +79,7 @@ class PacedSimEngine(SimEngine):
         max_seqs: int,
         spec_of: GroupSpecs,
         max_sleep_s: float = 0.02,
-        admit_fraction: float = 0.98,
+        admit_fraction: float = SLOT_ADMIT_FRACTION,
     ) -> None:
         super().__init__(
             engine_id, cost, workload, seed, time_scale, max_seqs, max_sleep_s, admit_fraction

@@ -25,6 +25,8 @@ from dora.engines.sim.cost import CostModel
 from dora.engines.sim.workload import RequestSpec
 
 INF = math.inf
+SLOT_ADMIT_FRACTION = 0.98
+"""KV fraction below which an engine admits under slot admission (its slot cap binds first)."""
 _KEYS = itertools.count()  # heap keys unique across cores: a migrated request's stale entry
 # on its source must never match the key it gets on its target
 
@@ -84,7 +86,7 @@ class TimingCore:
         cost: CostModel,
         engine_id: int = 0,
         max_seqs: int | None = None,
-        admit_fraction: float = 0.98,
+        admit_fraction: float = SLOT_ADMIT_FRACTION,
         strict_versions: bool = True,
         on_preempt: Callable[[SimRequest], None] | None = None,
     ) -> None:

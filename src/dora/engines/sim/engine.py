@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from dora.engines.base import CapacityError, EngineError, PartialOutput, VersionMismatch
-from dora.engines.sim.core import SimRequest, TimingCore
+from dora.engines.sim.core import SLOT_ADMIT_FRACTION, SimRequest, TimingCore
 from dora.engines.sim.cost import CostModel, cost_preset
 from dora.engines.sim.workload import RequestSpec, Workload, workload_preset
 from dora.events import (
@@ -66,7 +66,7 @@ class SimEngine:
         time_scale: float | None = None,
         max_seqs: int | None = None,
         max_sleep_s: float = 0.05,
-        admit_fraction: float = 0.98,
+        admit_fraction: float = SLOT_ADMIT_FRACTION,
     ) -> None:
         if time_scale is not None and time_scale <= 0:
             raise ValueError(f"time_scale must be > 0 or None, got {time_scale}")
