@@ -62,16 +62,22 @@ stages:
 
 
 async def until_steps_wait(run_dir: Path, deadline_s: float = 120.0) -> None:
-    """Until a step is stored in ``env_steps`` unanswered: an episode waits on the replica."""
+    """Until a later step (turn 1+, on ``env_steps.<owner>``) is stored unanswered: an episode
+    lives in the replica's memory and waits on it. A stored reset (``env_steps.any``) is not
+    enough: the restarted replica would answer it as if nothing happened."""
     import nats
 
     info = json.loads((run_dir / "run.json").read_text())
     login = json.loads((run_dir / "credentials" / "pipeline.json").read_text())
     client = await nats.connect(info["url"], user=login["user"], password=login["password"])
-    stream = Subjects(info["run_id"]).stream("env_steps")
+    subjects = Subjects(info["run_id"])
+    stream, resets = subjects.stream("env_steps"), subjects.env_steps("any")
     try:
         async with asyncio.timeout(deadline_s):
-            while (await client.jetstream().stream_info(stream)).state.messages == 0:
+            while True:
+                state = (await client.jetstream().stream_info(stream, subjects_filter=">")).state
+                if any(n and s != resets for s, n in (state.subjects or {}).items()):
+                    return
                 await asyncio.sleep(0.02)
     finally:
         await client.close()
