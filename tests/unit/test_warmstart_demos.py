@@ -27,7 +27,9 @@ def test_shortcut_fraction_gives_answer_only_demonstrations_in_that_share() -> N
 def test_packed_rows_carry_loss_on_completions_only() -> None:
     task = make_task("arithmetic", seed=0, min_terms=3, max_terms=5)
     tok = CharTokenizer.build()
-    ids, seg, mask = next(packed_batches(task, tok, rows=2, row_tokens=128, shortcut_fraction=0.5))
+    ids, seg, mask, pos = next(
+        packed_batches(task, tok, rows=2, row_tokens=128, shortcut_fraction=0.5)
+    )
     assert ids.shape == seg.shape == mask.shape == (2, 128)
     for r in range(2):
         for s in seg[r].unique().tolist():
@@ -39,7 +41,49 @@ def test_packed_rows_carry_loss_on_completions_only() -> None:
             completion = tok.decode(ids[r, where][mask[r, where]].tolist())
             assert text.endswith(completion) and "Q:" not in completion
             assert completion.split("\n")[-1].startswith("answer: ")
+            assert pos[r, where].tolist() == list(range(len(where)))  # whole: from 0
     assert mask.dtype == torch.bool
+
+
+def test_long_examples_become_windows_at_their_true_positions() -> None:
+    """With ``long_examples="windows"`` a demonstration longer than a row keeps its prompt and
+    a run of whole lines from anywhere in it, the end included, at the positions they have in
+    the whole demonstration; the window's first line (its previous line missing) has no loss."""
+    task = make_task(
+        "tally",
+        seed=0,
+        given_first_line=True,
+        counter_width=3,
+        max_steps=2,
+        long_every=1,
+        long_min_steps=150,
+        long_max_steps=160,
+    )
+    tok = CharTokenizer.build()
+    batches = packed_batches(task, tok, rows=4, row_tokens=256, long_examples="windows")
+    prompts = task.prompts("train", 4 * 12)
+    seen_end = seen_middle = 0
+    for _ in range(12):
+        ids, seg, mask, pos = next(batches)
+        for r in range(4):
+            prompt = next(prompts)
+            head = tok.encode(prompt.text, add_bos=True)
+            full, start = head + tok.encode(task.solve(prompt), add_eos=True), len(head)
+            real = seg[r] == 0  # one example a row: each is longer than a row
+            row, at = ids[r][real].tolist(), pos[r][real].tolist()
+            assert len(full) > 256 and start < len(row) <= 256
+            assert row[:start] == full[:start] and at[:start] == list(range(start))
+            assert [full[p] for p in at] == row  # every token is where the whole one has it
+            assert at[start:] == list(range(at[start], at[start] + len(row) - start))
+            assert full[at[start] - 1] == tok.encode("\n")[0] or at[start] == start
+            lossy = mask[r][real].nonzero().flatten().tolist()
+            first = tok.decode(row[start:]).index("\n") + 1 if at[start] > start else 0
+            assert lossy == list(range(start + first, len(row)))
+            seen_end += at[-1] == len(full) - 1
+            seen_middle += at[start] > start and at[-1] < len(full) - 1
+    assert seen_end >= 4 and seen_middle >= 4
+    assert WarmstartConfig(long_examples="windows").key() != WarmstartConfig().key()
+    assert WarmstartConfig(long_examples="cut").key() == WarmstartConfig().key()
 
 
 def test_shortcut_fraction_enters_the_cache_key_only_when_set() -> None:
@@ -106,8 +150,8 @@ def test_shortcut_start_keeps_the_early_batches_free_of_shortcuts() -> None:
                     out.append(tok.decode(ids[r, where][mask[r, where]].tolist()))
         return out
 
-    early = [c for _ in range(3) for c in completions(*next(batches))]
-    late = [c for _ in range(3) for c in completions(*next(batches))]
+    early = [c for _ in range(3) for c in completions(*next(batches)[:3])]
+    late = [c for _ in range(3) for c in completions(*next(batches)[:3])]
     assert early
     assert all("=" in c for c in early)  # every early demonstration works the problem out
     bare = [c for c in late if "=" not in c]
@@ -168,7 +212,9 @@ async def test_tool_demonstrations_are_what_a_live_episode_holds() -> None:
 def test_tool_replies_in_demonstrations_carry_no_loss() -> None:
     task = make_task("arithmetic", seed=0, min_terms=2, max_terms=4)
     tok = CharTokenizer.build()
-    ids, _seg, mask = next(packed_batches(task, tok, rows=2, row_tokens=256, tool_fraction=1.0))
+    ids, _seg, mask, _pos = next(
+        packed_batches(task, tok, rows=2, row_tokens=256, tool_fraction=1.0)
+    )
     text = tok.decode([int(i) for i in ids[0][mask[0]]])
     assert "<tool_call>" in text and "answer:" in text
     assert "<tool>" not in text and "</tool>" not in text  # the environment's, not the model's

@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import structlog
@@ -60,6 +60,13 @@ class WarmstartConfig(BaseModel):
     steps: int = Field(default=150, ge=0)
     batch_tokens: int = Field(default=2048, ge=64, description="Tokens per optimizer step.")
     row_tokens: int = Field(default=512, ge=32, description="Length of a packed row.")
+    long_examples: Literal["cut", "windows"] = Field(
+        default="cut",
+        description="An example longer than a row: 'cut' keeps its first row_tokens; "
+        "'windows' keeps its prompt and a window of whole lines drawn from anywhere in the "
+        "completion, at their true positions, so a long solution's middle and end are trained "
+        "in rows of the short ones' cost.",
+    )
     lr: float = Field(default=3e-3, gt=0.0)
     min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
     warmup_steps: int = Field(default=15, ge=0)
@@ -122,6 +129,7 @@ class WarmstartConfig(BaseModel):
             "easy_task_config": None,
             "easy_steps": 0,
             "tool_fraction": 0.0,
+            "long_examples": "cut",
         }
         for name, default in added_later.items():
             if data[name] == default:  # fields added later: defaults keep cache keys valid
@@ -223,6 +231,39 @@ def guess_line(task: Task, prompt: Prompt, last_line: str, rng: random.Random) -
     return re.sub(r"\d+", redraw, last_line)
 
 
+class Batch(NamedTuple):
+    """``rows x row_tokens`` of packed examples."""
+
+    ids: torch.Tensor
+    segments: torch.Tensor
+    """Which example each token belongs to: attention stays inside one."""
+    loss_mask: torch.Tensor
+    positions: torch.Tensor
+    """Each token's position in its example (a window keeps the positions it has there)."""
+
+
+def window(
+    seq: list[int], start: int, row_tokens: int, newline: int, rng: random.Random
+) -> tuple[list[int], list[int], int]:
+    """``(tokens, positions, first_loss_index)`` of an example longer than ``row_tokens``: its
+    prompt, then whole completion lines from a line start drawn uniformly (clamped so the
+    window reaches the end: the end is drawn about as often as the room it takes). The
+    window's first line is context only (its own previous line is not in the row)."""
+    room = row_tokens - start
+    if room <= 0:
+        raise ValueError(f"a prompt of {start} tokens leaves no room in a row of {row_tokens}")
+    completion = seq[start:]
+    line_starts = [0] + [i + 1 for i, t in enumerate(completion[:-1]) if t == newline]
+    last = next((o for o in line_starts if len(completion) - o <= room), len(completion) - room)
+    offset = min(rng.choice(line_starts), last)
+    piece = completion[offset : offset + room]
+    positions = list(range(start)) + list(range(start + offset, start + offset + len(piece)))
+    if offset == 0:
+        return seq[:start] + piece, positions, start
+    first_line = piece.index(newline) + 1 if newline in piece else len(piece)
+    return seq[:start] + piece, positions, start + first_line
+
+
 def packed_batches(
     task: Task,
     tokenizer: CharTokenizer,
@@ -234,22 +275,29 @@ def packed_batches(
     shortcut_start: int = 0,
     easy: tuple[Task, int] | None = None,
     tool_fraction: float = 0.0,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Endless ``(ids, segment_ids, loss_mask)`` batches of ``rows x row_tokens`` tokens.
+    long_examples: Literal["cut", "windows"] = "cut",
+) -> Iterator[Batch]:
+    """Endless batches of ``rows x row_tokens`` tokens.
 
-    Whole examples are packed greedily into rows (an example never spans two rows); the loss
-    mask marks completion tokens, so prompts and padding carry no loss. Batches before
-    ``shortcut_start`` draw no shortcut demonstrations; with ``easy = (task, steps)`` the first
-    ``steps`` batches draw their problems from that easier task (a curriculum).
+    Whole examples are packed greedily into rows (an example never spans two rows); one
+    longer than a row is cut to its first ``row_tokens`` or, with ``long_examples="windows"``,
+    becomes its prompt and one window of its completion (``window``). The loss mask marks
+    completion tokens, so prompts and padding carry no loss. Batches before ``shortcut_start``
+    draw no shortcut demonstrations; with ``easy = (task, steps)`` the first ``steps`` batches
+    draw their problems from that easier task (a curriculum).
     """
     index = 0
-    pending: tuple[list[int], int, list[tuple[int, int]]] | None = None
+    newline = tokenizer.encode("\n")[0]
+    rng = random.Random(f"windows:{seed}")
+    Pending = tuple[list[int], list[int], int, list[tuple[int, int]]]
+    pending: Pending | None = None
     for batch in itertools.count():
         fraction = shortcut_fraction if batch >= shortcut_start else 0.0
         source = easy[0] if easy is not None and batch < easy[1] else task
         ids = torch.full((rows, row_tokens), tokenizer.pad_token_id, dtype=torch.long)
         seg = torch.zeros((rows, row_tokens), dtype=torch.long)
         mask = torch.zeros((rows, row_tokens), dtype=torch.bool)
+        pos = torch.zeros((rows, row_tokens), dtype=torch.long)
         for r in range(rows):
             used, segment = 0, 0
             while True:
@@ -258,14 +306,20 @@ def packed_batches(
                     index += 1
                     text = demonstration(source, p, fraction, seed, shortcut, tool_fraction)
                     seq, start = encode_example(tokenizer, p.text, text)
-                    pending = (seq[:row_tokens], start, tool_reply_spans(tokenizer, text))
-                seq, start, replies = pending
+                    replies = tool_reply_spans(tokenizer, text)
+                    if len(seq) <= row_tokens or long_examples == "cut":
+                        seq = seq[:row_tokens]
+                        pending = (seq, list(range(len(seq))), start, replies)
+                    else:  # a tool demonstration (a call, an answer) always fits a row
+                        pending = (*window(seq, start, row_tokens, newline, rng), [])
+                seq, positions, start, replies = pending
                 if used + len(seq) > row_tokens:
                     if used == 0:  # pragma: no cover - truncated above
                         raise AssertionError("example longer than a row")
                     break
                 ids[r, used : used + len(seq)] = torch.tensor(seq)
                 seg[r, used : used + len(seq)] = segment
+                pos[r, used : used + len(seq)] = torch.tensor(positions)
                 mask[r, used + start : used + len(seq)] = True
                 for a, b in replies:  # tool replies: context, no loss
                     mask[r, used + start + a : used + start + b] = False
@@ -273,7 +327,7 @@ def packed_batches(
                 segment += 1
                 pending = None
             seg[r, used:] = segment  # padding: its own segment, no loss
-        yield ids, seg, mask
+        yield Batch(ids, seg, mask, pos)
 
 
 def lr_lambda(config: WarmstartConfig) -> Any:
@@ -324,6 +378,7 @@ def train(
         config.shortcut_start,
         easy,
         config.tool_fraction,
+        config.long_examples,
     )
     model.train()
     losses: list[float] = []
@@ -342,8 +397,8 @@ def train(
         job = bar.add_task("train", total=config.steps, loss=float("nan"), tps=0.0)
         for step in range(config.steps):
             interrupt.check()  # Ctrl-C stops a warm start within one step
-            ids, seg, mask = next(batches)
-            logits = model(ids, segment_ids=seg)
+            ids, seg, mask, pos = next(batches)
+            logits = model(ids, position_ids=pos, segment_ids=seg)
             target_mask = mask[:, 1:]
             loss = F.cross_entropy(logits[:, :-1][target_mask], ids[:, 1:][target_mask])
             opt.zero_grad(set_to_none=True)
