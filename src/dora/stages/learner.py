@@ -39,6 +39,14 @@ class EvalConfig(BaseModel):
     samples: int = Field(
         default=4, ge=0, description="Temperature-1 samples per prompt for avg@k (0: greedy only)."
     )
+    workers: int = Field(
+        default=2,
+        ge=1,
+        description="Processes scoring at once: the start and final policies' greedy and "
+        "sampled passes are four jobs, each using one core (1: all in this process). "
+        "Workers are spawned: a script that runs a pipeline needs the usual "
+        '`if __name__ == "__main__":` guard.',
+    )
 
 
 class LearnerStageConfig(BaseModel):
@@ -145,31 +153,32 @@ class LearnerStage(Stage):
         standard errors clustered by problem, and the paired gain. Per-problem scores go to
         ``eval_scores.json`` (to pool seeds or re-analyse without re-running)."""
         from dora.logs import notice
-        from dora.models import load_pretrained
         from dora.tasks import make_task
         from dora.tasks.evalset import build_eval_set
-        from dora.training.evaluate import compare_scores, score_eval_set, summarize_scores
+        from dora.training.eval_pool import score_policies
+        from dora.training.evaluate import compare_scores, summarize_scores
 
         cfg: EvalConfig = self.config.eval
         task = make_task(cfg.task, **cfg.task_config)
         eval_set = build_eval_set(task, cfg.set)
-
-        def score(directory: Path) -> dict[str, list[float]]:
-            model = load_pretrained(directory)
-            return score_eval_set(model, self.tokenizer, task, eval_set, samples=cfg.samples)
 
         # The start policy's scores are a pure function of its weights and the frozen set:
         # kept beside the weights, so a run from a cached warm start does not pay for them.
         cached = self.model_dir / f"eval-{eval_set.fingerprint}-k{cfg.samples}.json"
         which = "the final policy" if cached.is_file() else "the start and final policies"
         notice(f"evaluating {which} on {len(eval_set.prompts)} held-out problems")
+        policies = {"final": final}
+        if not cached.is_file():
+            policies = {"start": self.model_dir, **policies}
+        scores = score_policies(
+            policies, cfg.task, cfg.task_config, cfg.set, cfg.samples, workers=cfg.workers
+        )
         if cached.is_file():
-            start_scores = json.loads(cached.read_text())
+            scores["start"] = json.loads(cached.read_text())
         else:
-            start_scores = score(self.model_dir)
             with contextlib.suppress(OSError):  # a read-only model directory: no cache
-                cached.write_text(json.dumps(start_scores) + "\n")
-        scores = {"start": start_scores, "final": score(final)}
+                cached.write_text(json.dumps(scores["start"]) + "\n")
+        scores = {"start": scores["start"], "final": scores["final"]}
         start = summarize_scores(eval_set, scores["start"])
         end = summarize_scores(eval_set, scores["final"])
         gain = compare_scores(eval_set, scores["start"], scores["final"])
