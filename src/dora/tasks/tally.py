@@ -35,7 +35,13 @@ n; ``/tmp``-style experiments recorded in the README):
   zero padding, short problems fall to 0-25%: the new 3-digit counter costs the steps;
 - ``counter_width: 3``, 250 steps on n <= 60 then 200 mixed with truncated long problems:
   62-88% at n <= 8 and 50% at n = 40 (greedy); long problems are worked at length but not
-  to the end (500-750 tokens for n = 150-190, the tens digit of the counter drifts).
+  to the end (500-750 tokens for n = 150-190, the tens digit of the counter drifts);
+- the same with long demonstrations as windows (``long_examples: windows``: the prompt and a
+  run of lines from anywhere in the solution, at their true positions) on the RL task's long
+  stratum (200-260): 70% greedy on the dev split (33% with them cut to their first 512
+  tokens), and long problems worked at length (1,636 tokens on average, greedy), though none
+  to the right answer; with the long stratum from 150, half the long answers stop at the
+  ``200`` line, read as the short problems' ``000``.
 """
 
 from __future__ import annotations
