@@ -1,11 +1,12 @@
 """Several policies' eval passes at once, on a pool of processes.
 
 One pass of the tiny model's decode uses one core: its step is Python and small matmuls, so
-two torch threads are no faster than one (60.4 s against 59.6 s for the quickstart's greedy
-pass), while two one-thread processes side by side take 62-64 s each. The learner scores the
-start and final policies, greedy and sampled (four passes), so on two cores a pool of two
-halves the evaluation. Each pass is a pure function of the policy's directory and the frozen
-set, so a worker rebuilds both from their descriptions and returns plain lists.
+two torch threads are no faster than one (59.6 s with two, 60.4 s with one, for the
+quickstart's greedy pass), while two one-thread processes side by side take 62-64 s each.
+The learner scores the start and final policies, greedy and sampled (four passes), so on two
+cores a pool of two halves the evaluation. Each pass is a pure function of the policy's
+directory and the frozen set, so a worker rebuilds both from their descriptions and returns
+plain lists.
 
 Stopping: workers ignore SIGINT (a terminal sends it to the whole process group; the parent
 decides) and die with the thread that started them; the parent polls ``interrupt.check()``
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dora import interrupt
+from dora.tasks.evalset import EvalSetSpec
 from dora.training.evaluate import Pass
 
 POLL_S = 0.2
@@ -59,33 +61,37 @@ def score_policies(
     directories: dict[str, Path],
     task_name: str,
     task_config: dict[str, Any],
-    spec: Any,
+    spec: EvalSetSpec,
     samples: int = 0,
     seed: int = 0,
     workers: int = 2,
 ) -> dict[str, dict[str, list[float]]]:
     """``score_eval_set`` of each named policy directory (its greedy pass, and its sampled
     pass when ``samples`` > 0), the passes spread over ``workers`` processes (1: here)."""
-    jobs: list[tuple[str, Pass]] = [
-        (name, which) for name in directories for which in ("greedy", "sampled")
-    ]
-    jobs = [(name, which) for name, which in jobs if which == "greedy" or samples]
+    passes: tuple[Pass, ...] = ("greedy", "sampled") if samples else ("greedy",)
+    jobs = [(name, which) for name in directories for which in passes]
     args = {
-        job: (str(directories[job[0]]), task_name, task_config, spec.model_dump(), job[1])
-        for job in jobs
+        (name, which): (
+            str(directories[name]),
+            task_name,
+            task_config,
+            spec.model_dump(),
+            which,
+            samples,
+            seed,
+        )
+        for name, which in jobs
     }
     done: dict[tuple[str, Pass], dict[str, list[float]]] = {}
     if workers <= 1 or len(jobs) == 1:
         for job in jobs:
             interrupt.check()
-            done[job] = _run_pass(*args[job], samples, seed)
+            done[job] = _run_pass(*args[job])
     else:
         ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads, sockets
         pool = ctx.Pool(min(workers, len(jobs)), initializer=_init_worker)
         try:
-            pending = {
-                job: pool.apply_async(_run_pass, (*args[job], samples, seed)) for job in jobs
-            }
+            pending = {job: pool.apply_async(_run_pass, args[job]) for job in jobs}
             while pending:
                 interrupt.check()
                 for job, result in list(pending.items()):
