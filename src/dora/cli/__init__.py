@@ -32,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "stages": "dora.cli.stages_cmd",
     "stage": "dora.cli.stage_cmd",
     "sim": "dora.cli.sim_cmd",
+    "eval": "dora.cli.eval_cmd",
 }
 BENCHMARKS: dict[str, str] = {
     "bus": "dora.bench.bus",

@@ -10,7 +10,6 @@ into ``<run_dir>/eval.json`` (per-problem scores in ``eval_scores.json``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -22,31 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from dora.events import Event
 from dora.stage import Context, Stage
 from dora.stages.model_source import ModelSource
-from dora.tasks.evalset import EvalSetSpec
-
-
-class EvalConfig(BaseModel):
-    """The held-out evaluation of the start and final policies on a frozen eval set."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    task: str = "arithmetic"
-    task_config: dict[str, Any] = Field(default_factory=dict)
-    set: EvalSetSpec = Field(
-        default_factory=EvalSetSpec,
-        description="Which distinct held-out problems (split, strata, per_stratum; 0: none).",
-    )
-    samples: int = Field(
-        default=4, ge=0, description="Temperature-1 samples per prompt for avg@k (0: greedy only)."
-    )
-    workers: int = Field(
-        default=2,
-        ge=1,
-        description="Processes scoring at once: the start and final policies' greedy and "
-        "sampled passes are four jobs, each using one core (1: all in this process). "
-        "Workers are spawned: a script that runs a pipeline needs the usual "
-        '`if __name__ == "__main__":` guard.',
-    )
+from dora.training.heldout import EvalConfig
 
 
 class LearnerStageConfig(BaseModel):
@@ -149,64 +124,13 @@ class LearnerStage(Stage):
         self.result = headline
 
     def _evaluate(self, final: Path) -> dict[str, Any]:
-        """Start and final policy on the frozen eval set: pooled and per-stratum means with
-        standard errors clustered by problem, and the paired gain. Per-problem scores go to
-        ``eval_scores.json`` (to pool seeds or re-analyse without re-running)."""
-        from dora.logs import notice
-        from dora.tasks import make_task
-        from dora.tasks.evalset import build_eval_set
-        from dora.training.eval_pool import score_policies
-        from dora.training.evaluate import compare_scores, summarize_scores
+        """Start and final policy on the frozen eval set (``dora.training.heldout``);
+        per-problem scores go to ``eval_scores.json``."""
+        from dora.training.heldout import score_against_start
 
-        cfg: EvalConfig = self.config.eval
-        task = make_task(cfg.task, **cfg.task_config)
-        eval_set = build_eval_set(task, cfg.set)
-
-        # The start policy's scores are a pure function of its weights and the frozen set:
-        # kept beside the weights, so a run from a cached warm start does not pay for them.
-        cached = self.model_dir / f"eval-{eval_set.fingerprint}-k{cfg.samples}.json"
-        which = "the final policy" if cached.is_file() else "the start and final policies"
-        notice(f"evaluating {which} on {len(eval_set.prompts)} held-out problems")
-        policies = {"final": final}
-        if not cached.is_file():
-            policies = {"start": self.model_dir, **policies}
-        scores = score_policies(
-            policies, cfg.task, cfg.task_config, cfg.set, cfg.samples, workers=cfg.workers
-        )
-        if cached.is_file():
-            scores["start"] = json.loads(cached.read_text())
-        else:
-            with contextlib.suppress(OSError):  # a read-only model directory: no cache
-                cached.write_text(json.dumps(scores["start"]) + "\n")
-        scores = {"start": scores["start"], "final": scores["final"]}
-        start = summarize_scores(eval_set, scores["start"])
-        end = summarize_scores(eval_set, scores["final"])
-        gain = compare_scores(eval_set, scores["start"], scores["final"])
-        (self.run_dir / "eval_scores.json").write_text(
-            json.dumps({"strata": eval_set.strata, **scores}) + "\n"
-        )
-        flat: dict[str, Any] = {}
-        for metric in gain:
-            if not isinstance(gain[metric], dict):
-                continue
-            name = "accuracy" if metric == "greedy" else metric
-            flat[f"start_{name}"] = start[metric]["mean"]
-            flat[f"final_{name}"] = end[metric]["mean"]
-            flat[f"gain_{name}"] = gain[metric]["mean"]
-            flat[f"gain_{name}_se"] = gain[metric]["se"]
-        sizes = eval_set.stratum_sizes()
-        return {
-            **flat,
-            "eval_set": {
-                "split": cfg.set.split,
-                "n": len(eval_set),
-                "strata": sizes,
-                "fingerprint": eval_set.fingerprint,
-            },
-            "start": start,
-            "final": end,
-            "gain": gain,
-        }
+        scored = score_against_start(self.config.eval, self.model_dir, {"final": final})["final"]
+        (self.run_dir / "eval_scores.json").write_text(json.dumps(scored.scores) + "\n")
+        return scored.summary
 
     async def teardown(self, ctx: Context) -> None:
         """Runs after the rollout stopped (the pipeline stops upstream first): the evaluation
