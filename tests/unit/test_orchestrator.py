@@ -428,3 +428,61 @@ def test_a_preempted_request_is_reported_by_the_engine_and_reaches_the_view() ->
     )
     status = events.EngineStatus(engine_id="e", version=0, requests=(running,))
     assert EngineView.from_status(status).requests[0].preempted
+
+
+# ---------------------------------------------------------------------- fast lane
+
+LANE = OrchestratorConfig(fast_lane=True)
+
+
+def crowded_tail(*extra: EngineView, queues=None, k: int = 1) -> ClusterState:
+    """Version 0 is the cohort the learner waits for (K = 1, learner at step 1). Engine "c"
+    decodes 10 requests at 10 tok/s each: two have run long (1,000 tokens; the length history
+    expects 1,000 more: 100 s), eight are young (expected ~47 s). Engine "l" runs one."""
+    young = tuple(req(f"y{i}", 0, 10, 8) for i in range(8))
+    long = (req("L1", 0, 1000, 70), req("L2", 0, 1000, 70))
+    crowded = eng("c", 0, (*long, *young), tokens_per_s=100.0, max_running=64)
+    lane = eng("l", 0, (req("m", 0, 1000, 70),), tokens_per_s=40.0, max_running=64)
+    newest = eng("n", 1, full("n", 1, 16), max_running=64)
+    return cluster(crowded, lane, newest, *extra, queues=queues, newest=1, step=1, k=k)
+
+
+def lane_moves(actions) -> dict[str, tuple[str, str]]:
+    return {
+        rid: (a.source, a.target)
+        for a in actions
+        if isinstance(a, MigrateRequests) and a.reason == "fast-lane"
+        for rid in a.request_ids
+    }
+
+
+def test_fast_lane_moves_the_critical_requests_onto_a_lightly_loaded_engine() -> None:
+    """Only the requests expected to run longer than fast_lane_min_s move, with their KV,
+    and the lane engine is not consolidated back into a full batch."""
+    actions = plan(crowded_tail(), LANE)
+    assert lane_moves(actions) == {"L1": ("c", "l"), "L2": ("c", "l")}
+    assert all(a.kv_blocks == 140 for a in actions if isinstance(a, MigrateRequests))
+    assert not [a for a in actions if isinstance(a, MigrateRequests) and a.source == "l"]
+    assert not lane_moves(plan(crowded_tail())), "off by default"
+
+
+def test_fast_lane_fills_a_lane_only_up_to_its_batch() -> None:
+    actions = plan(crowded_tail(), OrchestratorConfig(fast_lane=True, fast_lane_batch=2))
+    assert lane_moves(actions) == {"L1": ("c", "l")}
+
+
+def test_an_idle_engine_holding_the_weights_is_a_lane_only_when_no_queue_needs_it() -> None:
+    """With lanes of two, "l" has one spot: the faster lane (one request at 40 tok/s) takes
+    the longest request, the idle engine (assumed at 30) the other, and stays on version 0."""
+    idle = eng("i", 0, (), max_running=64)
+    two = OrchestratorConfig(fast_lane=True, fast_lane_batch=2)
+    actions = plan(crowded_tail(idle), two)
+    assert sorted(lane_moves(actions).values()) == [("c", "i"), ("c", "l")]
+    assert "i" not in assigns(actions)
+    wanted = plan(crowded_tail(idle, queues={1: 500}), two)
+    assert assigns(wanted).get("i") == 1, "a queue that needs the engine comes first"
+    assert sorted(lane_moves(wanted).values()) == [("c", "l")]
+
+
+def test_no_fast_lane_for_a_version_the_learner_does_not_wait_for_yet() -> None:
+    assert not lane_moves(plan(crowded_tail(k=2), LANE))

@@ -168,3 +168,34 @@ def test_without_relief_a_preempted_request_waits_on_its_engine() -> None:
     reqs = list(d.fleet.requests.values())
     assert sum(r.recomputed for r in reqs) > 0
     assert not [r for r in reqs if r.migrations and not r.migrated_bytes]
+
+
+def test_cohort_tails_report_each_versions_makespan_and_its_last_finishers() -> None:
+    cfg = replace(SMALL, mode="dora")
+    result = simulate(cfg)
+    cohorts = result.extra["cohorts"]
+    d = _driver(cfg)
+    d.run()
+    assert cohorts and [c["version"] for c in cohorts] == sorted(c["version"] for c in cohorts)
+    alone = 1.0 / DENSE_7B.step_time(1, 0)
+    for c in cohorts:
+        done = [r for g in d.fleet.groups if g.version == c["version"] for r in g.requests]
+        done = [r for r in done if r.done]
+        first = min(r.dispatched_at for r in done)
+        assert c["makespan_s"] == max(r.finished_at for r in done) - first
+        assert 0 <= c["tail_start_s"] <= c["makespan_s"]
+        assert 0 < c["tail_tok_per_s"] <= alone  # no request decodes faster than alone
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_fast_lane_runs_every_request_to_completion(k: int) -> None:
+    """The fast lane (plan's rule 7) moves requests with their KV; nothing is lost or
+    re-prefilled, and staleness stays within K."""
+    cfg, d, records = _run(
+        "dora", staleness=k, fast_lane=True, fast_lane_batch=2, fast_lane_min_s=1.0
+    )
+    consumed = [g for g in d.fleet.groups if g.consumed_step >= 0]
+    assert all(g.finished for g in consumed) and len(records) == cfg.steps
+    assert all(r.reprefilled == 0 for r in d.fleet.requests.values())
+    assert max(s for r in records for s in r.staleness) <= k
+    assert d.actions.get("MigrateRequests:fast-lane", 0) > 0

@@ -58,6 +58,15 @@ def cli(
         help="dora: the planner moves requests an engine preempted (no KV left) to engines "
         "of their version with room (--no-relief: they wait on their engine).",
     ),
+    fast_lane: bool = typer.Option(
+        False,
+        "--fast-lane/--no-fast-lane",
+        help="dora: the planner moves the urgent version's critical requests (expected "
+        "remaining time above --fast-lane-min-s) with their KV onto its engines running at "
+        "most --fast-lane-batch requests.",
+    ),
+    fast_lane_batch: int = typer.Option(4, min=1, help="--fast-lane: a lane's batch."),
+    fast_lane_min_s: float = typer.Option(60.0, min=0.0, help="--fast-lane: critical above."),
     start_order: str = typer.Option(
         "fifo",
         help="dora's queue order of admitted groups: fifo (the policy), or a yardstick that "
@@ -96,6 +105,9 @@ def cli(
             max_seqs=max_seqs or None,
             admission=admission,  # type: ignore[arg-type]
             relieve_preempted=relief,
+            fast_lane=fast_lane,
+            fast_lane_batch=fast_lane_batch,
+            fast_lane_min_s=fast_lane_min_s,
             kv_watermark=kv_watermark,
             kv_max_seqs=kv_max_seqs,
             seed=seed,

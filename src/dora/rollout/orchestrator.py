@@ -27,7 +27,13 @@ The live service, the simulator and the tests call the same function. It decides
    behind the full cache; it moves (tokens only) to an engine serving its version with an
    open slot and KV headroom, where it resumes at once. Engines can then admit by KV
    headroom with a high slot cap: a preemption costs a recompute, not a stall.
-7. **Consolidation.** For an old version whose queue is empty, engines with low occupancy are
+7. **Fast lane** (off by default: measured in ``dora sim``, it does not pay on the
+   dense-32B workload; see docs/performance.md). The cohort the learner waits for ends with
+   its slowest request, which a full batch slows. Its critical requests (expected remaining
+   time above ``fast_lane_min_s`` at their engine's rate, from the length history) move
+   with their KV from crowded engines onto its engines running at most
+   ``fast_lane_batch``, and onto idle engines holding its weights when no queue needs them.
+8. **Consolidation.** For an old version whose queue is empty, engines with low occupancy are
    evacuated by migrating their requests (with KV) onto the fullest same-version engines that
    have room for the blocks plus their expected growth (first-fit decreasing), when the freed
    engine-time pays for the migration and some queue needs the freed engine; the evacuated
@@ -112,6 +118,14 @@ class OrchestratorConfig:
     """Consolidate by KV migration (False: the no-migration ablation)."""
     relieve_preempted: bool = True
     """Rule 6: move preempted requests (no KV held) to same-version engines with room."""
+    fast_lane: bool = False
+    """Rule 7: move an urgent version's critical requests, with their KV, off crowded engines
+    onto its engines running at most ``fast_lane_batch`` requests, where they decode faster."""
+    fast_lane_batch: int = 4
+    """A lane engine runs at most this many requests."""
+    fast_lane_min_s: float = 60.0
+    """A request is critical when its expected remaining time at its engine's current
+    per-request rate exceeds this."""
     rebalance: bool = True
     """Rule 5 (proportional share); False restores first-come placement only."""
     reassign_busy_to_newest: bool = False
@@ -269,6 +283,8 @@ class _Planner:
     def run(self) -> list[Action]:
         self.serve_queues()
         self.newest_present()
+        if self.config.fast_lane and self.config.migrate:
+            self.fast_lane()
         self.place_free()
         if self.config.rebalance:
             self.rebalance()
@@ -493,6 +509,107 @@ class _Planner:
                         src.engine_id, target, src.version, tuple(moves[target]), 0, "relieve"
                     )
                 )
+
+    # ------------------------------------------------------------------ fast lane
+
+    def rate(self, e: EngineView) -> float:
+        """Decode tokens/s one of the engine's requests gets now."""
+        if e.tokens_per_s > 0 and e.running > 0:
+            return e.tokens_per_s / e.running
+        return self.config.decode_tokens_per_s
+
+    def fast_lane(self) -> None:
+        """Rule 7: the cohort the learner waits for ends with its slowest request, which a
+        full batch slows (on dense-32B on H200, 26-31 tok/s in a KV-full batch against 48.5
+        alone). Critical requests (expected remaining time above ``fast_lane_min_s``) move
+        with their KV from crowded engines onto the version's engines running at most
+        ``fast_lane_batch``, longest first, where the move saves more than it costs. Engines
+        left holding a critical request at lane size are kept from consolidation, which
+        would pack it back into a full batch."""
+        cfg = self.config
+        lengths = self.state.lengths
+        horizon = cfg.urgency_horizon_steps
+        for v in sorted(self.holders):
+            if v >= self.newest or v in self.queues or self.state.steps_left(v) > horizon:
+                continue
+            engines = [
+                e
+                for e in self.holders[v]
+                if e.state in ("serving", "draining")
+                and e.version == v
+                and e.engine_id not in self.taken
+            ]
+            lanes: list[list[Any]] = []  # [spots, blocks, engine, per-request rate]
+            critical: list[tuple[float, RequestView, EngineView]] = []
+            for e in engines:
+                rate = self.rate(e)
+                crowded = e.running > cfg.fast_lane_batch
+                for r in e.requests:
+                    if r.preempted or r.kv_blocks == 0:
+                        continue
+                    left = lengths.remaining(r.generated, r.max_tokens) / rate
+                    if left <= cfg.fast_lane_min_s:
+                        continue
+                    if crowded and not self.cooling_request(r):
+                        critical.append((left, r, e))
+                    elif not crowded:
+                        self.taken.add(e.engine_id)  # a lane at work: not consolidated
+                if not crowded:
+                    self.open_lane(e, lanes)
+            if not critical:
+                continue
+            if self.demand() <= 0:  # no queue wants an engine: idle ones holding v are lanes
+                for e in self.free:
+                    if e.engine_id not in self.taken and e.state == "serving" and e.version == v:
+                        self.open_lane(e, lanes)
+            if not lanes:
+                continue
+            critical.sort(key=lambda c: (-c[0], c[1].request_id))
+            moves: dict[tuple[str, str], list[RequestView]] = defaultdict(list)
+            for left, r, src in critical:
+                if self.migrated >= cfg.max_migrated_requests:
+                    break
+                growth = math.ceil(lengths.remaining(r.generated, r.max_tokens) / src.block_size)
+                need = r.kv_blocks + growth
+                lane = max(
+                    (t for t in lanes if t[0] > 0 and t[1] >= need),
+                    key=lambda t: (t[3], t[2].engine_id),
+                    default=None,
+                )
+                if lane is None:
+                    break
+                mig_s = cfg.migration_s_per_request + cfg.migration_s_per_block * r.kv_blocks
+                tokens = left * self.rate(src)
+                if left - tokens / lane[3] <= 2 * mig_s + cfg.min_saving_s:
+                    continue
+                lane[0] -= 1
+                lane[1] -= need
+                moves[(src.engine_id, lane[2].engine_id)].append(r)
+                self.migrated += 1
+                self.taken.add(lane[2].engine_id)
+            for (source, target), reqs in sorted(moves.items()):
+                if not self.room():
+                    return
+                self.actions.append(
+                    MigrateRequests(
+                        source,
+                        target,
+                        v,
+                        tuple(r.request_id for r in reqs),
+                        sum(r.kv_blocks for r in reqs),
+                        "fast-lane",
+                    )
+                )
+
+    def open_lane(self, e: EngineView, lanes: list[list[Any]]) -> None:
+        spots = self.config.fast_lane_batch - e.running - e.waiting
+        blocks = math.floor(self.config.target_fill * e.kv_blocks_total) - e.kv_blocks_used
+        if spots > 0 and blocks > 0:
+            lanes.append([spots, blocks, e, self.rate(e)])
+
+    def cooling_request(self, r: RequestView) -> bool:
+        at = r.last_migrated_at
+        return at is not None and self.now - at < self.config.migration_cooldown_s
 
     # ------------------------------------------------------------------ consolidation
 

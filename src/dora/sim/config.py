@@ -82,6 +82,9 @@ class SimConfig:
     start_order: StartOrder = "fifo"  # dora mode only; see START_ORDERS
     admission: Admission = "slots"  # every mode; see ADMISSIONS
     relieve_preempted: bool = True  # dora: plan moves preempted requests to engines with room
+    fast_lane: bool = False  # dora: plan moves critical requests onto lightly loaded engines
+    fast_lane_batch: int = 4  # ... running at most this many
+    fast_lane_min_s: float = 60.0  # ... when their expected remaining time exceeds this
     kv_watermark: float = 0.9  # admission="kv": admit while KV use is below this fraction
     kv_max_seqs: int = 100  # admission="kv": the slot cap (max_seqs overrides it)
 

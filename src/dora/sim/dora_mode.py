@@ -57,6 +57,9 @@ class DoraDriver(StreamingDriver):
             max_migrated_requests=max(256, 2 * cfg.engines),
             migrate_urgent=cfg.migrate_urgent,
             relieve_preempted=cfg.relieve_preempted,
+            fast_lane=cfg.fast_lane,
+            fast_lane_batch=cfg.fast_lane_batch,
+            fast_lane_min_s=cfg.fast_lane_min_s,
             weight_load_s=cfg.cost.weight_load_time,
             migration_s_per_block=cfg.cost.kv_bytes(BLOCK) / self.migration_bw,
             migration_s_per_request=cfg.cost.migration_fixed_s,
@@ -243,7 +246,7 @@ class DoraDriver(StreamingDriver):
     def replan(self) -> None:
         self.plan_calls += 1
         for action in orchestrator.plan(self.state(), self.plan_config):
-            name = type(action).__name__
+            name = f"{type(action).__name__}:{getattr(action, 'reason', '')}"
             self.actions[name] = self.actions.get(name, 0) + 1
             if isinstance(action, AssignEngine):
                 self.assign(int(action.engine_id), action.version)

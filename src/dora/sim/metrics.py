@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -154,7 +155,36 @@ def summarize(
         consumed_groups=sum(r.groups for r in records),
         max_seqs=fleet.max_seqs,
         plan_calls=plan_calls,
+        extra={"cohorts": cohort_tails(fleet)},
     )
+
+
+def cohort_tails(fleet: Fleet, last: int = 20) -> list[dict[str, float]]:
+    """Per version tag, what sets its cohort's makespan M (the critical path at K = 1): M
+    from its first dispatch to its last finish, and its ``last`` finishers' mean start (from
+    that dispatch), length and decode rate over their life."""
+    by_version: dict[int, list[Any]] = {}
+    for g in fleet.groups:
+        by_version.setdefault(g.version, []).extend(r for r in g.requests if r.done)
+    out = []
+    for version in sorted(by_version):
+        reqs = by_version[version]
+        if len(reqs) < last:
+            continue
+        t0 = min(r.dispatched_at for r in reqs)
+        tail = heapq.nlargest(last, reqs, key=lambda r: r.finished_at)
+        out.append(
+            {
+                "version": version,
+                "makespan_s": tail[0].finished_at - t0,
+                "tail_start_s": float(np.mean([r.started_at - t0 for r in tail])),
+                "tail_tokens": float(np.mean([r.spec.decode_tokens for r in tail])),
+                "tail_tok_per_s": float(
+                    np.mean([r.spec.decode_tokens / (r.finished_at - r.started_at) for r in tail])
+                ),
+            }
+        )
+    return out
 
 
 def record_step(

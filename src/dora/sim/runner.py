@@ -36,6 +36,9 @@ def simulate(cfg: SimConfig) -> SimResult:
     driver = _driver(cfg)
     records = driver.run()
     result = summarize(cfg, driver.fleet, records, plan_calls=driver.plan_calls)
+    actions = getattr(driver, "actions", None)
+    if actions:  # the planner's actions by type and reason (dora modes)
+        result.extra["plan_actions"] = dict(sorted(actions.items()))
     result.sim_seconds = time.perf_counter() - t0
     return result
 
