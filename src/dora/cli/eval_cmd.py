@@ -147,8 +147,10 @@ def cli(
     """Score runs' final policies against their start on a held-out split; pool the runs."""
     from rich.console import Console
 
+    from dora.logs import configure
     from dora.training.heldout import score_against_start
 
+    configure(None)  # the console shows warnings and the scoring notice, as `dora run` does
     console = Console()
     try:
         configs = {run: _run_eval_config(run) for run in runs}
