@@ -14,14 +14,10 @@ import asyncio
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import yaml
-
-if TYPE_CHECKING:
-    from dora.tasks import Task
-    from dora.tasks.evalset import EvalSet
 
 QUICKSTART = Path("pipelines/quickstart.yaml")
 
@@ -92,15 +88,17 @@ def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return out
 
 
-def _evaluate(model_dir: Path, task: Task, eval_set: EvalSet) -> tuple[float, float]:
-    """Greedy accuracy of a checkpoint on the frozen eval set, with its SE clustered by
-    problem."""
-    from dora.models import load_pretrained, load_tokenizer
-    from dora.training.evaluate import clustered_mean, score_eval_set
+def _evaluate(
+    models: dict[str, Path], task: str, task_config: dict[str, Any], spec: dict[str, Any]
+) -> dict[str, tuple[float, float]]:
+    """Greedy accuracy of each checkpoint on the frozen eval set, with its SE clustered by
+    problem; the passes run on the eval pool (one core each)."""
+    from dora.tasks.evalset import EvalSetSpec
+    from dora.training.eval_pool import score_policies
+    from dora.training.evaluate import clustered_mean
 
-    model = load_pretrained(model_dir)
-    scores = score_eval_set(model, load_tokenizer(model_dir), task, eval_set)
-    return clustered_mean(np.asarray(scores["greedy"]))
+    scores = score_policies(models, task, task_config, EvalSetSpec(**spec), samples=0)
+    return {name: clustered_mean(np.asarray(s["greedy"])) for name, s in scores.items()}
 
 
 def _run_one(
@@ -142,8 +140,6 @@ def run_task_comparison(
 ) -> None:
     """Train each mode per seed, evaluate the checkpoints, print + save table and PNG."""
     from dora.bench.report import print_table, save_rows
-    from dora.tasks import make_task
-    from dora.tasks.evalset import EvalSetSpec, build_eval_set
 
     out = out or Path("runs/bench") / f"modes-{task}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
@@ -157,12 +153,15 @@ def run_task_comparison(
         source["config"].get("task_config", {}) if source["config"]["task"] == task else {}
     )
     # one task and one frozen set (the quickstart learner's ``eval.set``) for every checkpoint
-    task_obj = make_task(task, **task_config)
-    eval_set = build_eval_set(task_obj, EvalSetSpec(**_eval_set_spec(task)))
-    start_acc, start_se = _evaluate(start_dir, task_obj, eval_set)
+    models = {"start": start_dir}
     for run in runs:
         for step, model_dir in run["checkpoints"]:
-            accuracy, se = _evaluate(model_dir, task_obj, eval_set)
+            models[f"{run['mode']}-s{run['seed']}-{step}"] = model_dir
+    scored = _evaluate(models, task, task_config, _eval_set_spec(task))
+    start_acc, start_se = scored["start"]
+    for run in runs:
+        for step, _ in run["checkpoints"]:
+            accuracy, se = scored[f"{run['mode']}-s{run['seed']}-{step}"]
             rows.append(
                 {
                     "mode": run["mode"],
