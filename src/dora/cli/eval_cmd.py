@@ -155,7 +155,7 @@ def cli(
     try:
         configs = {run: _run_eval_config(run) for run in runs}
     except EvalCommandError as exc:
-        console.print(f"[red]{exc}[/red]", highlight=False)
+        console.print(f"[red]{exc}[/red]", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     changes: dict[str, Any] = {
         k: v for k, v in (("samples", samples), ("workers", workers)) if v is not None
@@ -166,15 +166,15 @@ def cli(
         resolved[run] = (cfg.model_copy(update={**changes, "set": spec}), start)
     first_cfg, first_start = next(iter(resolved.values()))
     for run, (cfg, start) in resolved.items():
-        if start != first_start or cfg.model_dump(exclude={"workers"}) != first_cfg.model_dump(
-            exclude={"workers"}
-        ):
-            console.print(
-                f"[red]{run} was trained from {start} or is scored on another set than "
-                f"{runs[0]} ({first_start}): pool runs from one start and one eval config[/red]",
-                highlight=False,
-            )
-            raise typer.Exit(2)
+        if start != first_start:
+            reason = f"it was trained from {start}, {runs[0]} from {first_start}"
+        elif cfg.model_dump(exclude={"workers"}) != first_cfg.model_dump(exclude={"workers"}):
+            reason = f"its eval config differs from {runs[0]}'s (task, eval set or samples)"
+        else:
+            continue
+        message = f"{run}: {reason}; pool only runs of one start and eval config"
+        console.print(f"[red]{message}[/red]", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
     scored = score_against_start(first_cfg, first_start, {str(run): run / "final" for run in runs})
     which = first_cfg.set.split
     summaries = {}
