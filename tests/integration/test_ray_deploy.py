@@ -23,9 +23,14 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.ray]
 
-STEPS = 30
+STEPS = 40
 """Long enough that the lost engine is back on the spare node before the run ends (the
-other engine alone keeps the steps coming meanwhile)."""
+other engine alone keeps the steps coming meanwhile). At 30 steps, with Ray's default node
+health check (a lost node declared dead after ~15 s), a quiet machine finished the run first
+in 1 of 4 tries."""
+NODE_HEALTH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 5}
+"""A lost node is declared dead in ~5 s (Ray's default: ~15 s). Not faster: a node whose
+raylet is slow on two busy cores must not be declared dead while it lives."""
 LOOPBACK = {"node_ip_address": "127.0.0.1", "include_dashboard": False}
 LOOPBACK_DRIVER = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 """The driver joins a cluster whose every node is on 127.0.0.1: without this, Ray rewrites a
@@ -36,7 +41,8 @@ loopback address to the machine's outward IP, where the cluster does not listen.
 def cluster() -> Iterator[Cluster]:
     """A head and three worker nodes with one ``engine`` each: two for the
     generators, one spare for an engine whose node goes away."""
-    c = Cluster(initialize_head=True, head_node_args={**LOOPBACK, "num_cpus": 2})
+    head = {**LOOPBACK, "num_cpus": 2, "_system_config": NODE_HEALTH}
+    c = Cluster(initialize_head=True, head_node_args=head)
     for _ in range(3):
         c.add_node(**LOOPBACK, num_cpus=1, resources={"engine": 1})
     c.wait_for_nodes()
