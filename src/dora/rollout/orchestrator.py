@@ -755,7 +755,7 @@ class _Planner:
             moved_blocks += r.kv_blocks
         # Pays for itself: the source is freed ``tail_s - mig_s`` earlier; the moved requests
         # stall ``mig_s`` and the transfer occupies both engines, so ask for more than 2x.
-        rate = src.tokens_per_s / src.running if src.tokens_per_s > 0 else cfg.decode_tokens_per_s
+        rate = self.rate(src)
         tail_s = tail_tokens / max(rate, 1e-9)
         mig_s = cfg.migration_s_per_request * src.running + cfg.migration_s_per_block * moved_blocks
         if tail_s - mig_s <= mig_s + cfg.min_saving_s:
