@@ -540,18 +540,19 @@ class _Planner:
                 and e.engine_id not in self.taken
             ]
             lanes: list[list[Any]] = []  # [spots, blocks, engine, per-request rate]
-            critical: list[tuple[float, RequestView, EngineView]] = []
+            critical: list[tuple[float, float, RequestView, EngineView]] = []  # s, tokens left
             for e in engines:
                 rate = self.rate(e)
                 crowded = e.running > cfg.fast_lane_batch
                 for r in e.requests:
                     if r.preempted or r.kv_blocks == 0:
                         continue
-                    left = lengths.remaining(r.generated, r.max_tokens) / rate
+                    tokens = lengths.remaining(r.generated, r.max_tokens)
+                    left = tokens / rate
                     if left <= cfg.fast_lane_min_s:
                         continue
                     if crowded and not self.cooling_request(r):
-                        critical.append((left, r, e))
+                        critical.append((left, tokens, r, e))
                     elif not crowded:
                         self.taken.add(e.engine_id)  # a lane at work: not consolidated
                 if not crowded:
@@ -564,13 +565,12 @@ class _Planner:
                         self.open_lane(e, lanes)
             if not lanes:
                 continue
-            critical.sort(key=lambda c: (-c[0], c[1].request_id))
+            critical.sort(key=lambda c: (-c[0], c[2].request_id))
             moves: dict[tuple[str, str], list[RequestView]] = defaultdict(list)
-            for left, r, src in critical:
+            for left, tokens, r, src in critical:
                 if self.migrated >= cfg.max_migrated_requests:
                     break
-                growth = math.ceil(lengths.remaining(r.generated, r.max_tokens) / src.block_size)
-                need = r.kv_blocks + growth
+                need = r.kv_blocks + math.ceil(tokens / src.block_size)
                 lane = max(
                     (t for t in lanes if t[0] > 0 and t[1] >= need),
                     key=lambda t: (t[3], t[2].engine_id),
@@ -579,7 +579,6 @@ class _Planner:
                 if lane is None:
                     break
                 mig_s = cfg.migration_s_per_request + cfg.migration_s_per_block * r.kv_blocks
-                tokens = left * self.rate(src)
                 if left - tokens / lane[3] <= 2 * mig_s + cfg.min_saving_s:
                     continue
                 lane[0] -= 1
@@ -743,10 +742,7 @@ class _Planner:
         tail_tokens = 0.0
         moved_blocks = 0
         for r in src.requests:
-            if (
-                r.last_migrated_at is not None
-                and self.now - r.last_migrated_at < cfg.migration_cooldown_s
-            ):
+            if self.cooling_request(r):
                 return None
             remaining = lengths.remaining(r.generated, r.max_tokens)
             tail_tokens = max(tail_tokens, remaining)
